@@ -1,0 +1,93 @@
+"""The exceptions ckptkit raises on purpose.
+
+Every error derives from :class:`CkptkitError` and also from the built-in a caller would
+catch without knowing ckptkit (``FileNotFoundError``, ``ValueError``, ``KeyError``,
+``OSError``, ``RuntimeError``). Messages name the file or key, what was expected, what was
+found, and the fix. This module imports nothing heavy: the CLI uses it before torch loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class CkptkitError(Exception):
+    """Base class of every error ckptkit raises on purpose."""
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ wraps the message in quotes; ours read as sentences.
+        return str(self.args[0]) if self.args else ""
+
+
+class ArgumentError(CkptkitError, ValueError):
+    """A caller passed an argument ckptkit cannot act on."""
+
+
+class CheckpointNotFoundError(CkptkitError, FileNotFoundError):
+    """The checkpoint path does not exist (or is not the kind of path expected)."""
+
+    def __init__(self, message: str, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.filename = filename
+
+
+class CheckpointFormatError(CkptkitError, ValueError):
+    """The file is not a checkpoint ckptkit can read, or it is damaged."""
+
+
+class UnsafeCheckpointError(CkptkitError, ValueError):
+    """Loading the file would unpickle globals outside the weights-only allowlist.
+
+    Attributes:
+        globals: the fully qualified names the file asks for, e.g. ``argparse.Namespace``.
+    """
+
+    def __init__(self, message: str, globals_: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.globals = tuple(globals_)
+
+
+class LayoutError(CkptkitError, KeyError):
+    """The model weights could not be found inside the checkpoint."""
+
+
+class StateDictMismatchError(CkptkitError, KeyError):
+    """A state dict does not fit its target model.
+
+    Attributes:
+        missing: target keys the checkpoint lacks.
+        unexpected: checkpoint keys the target lacks.
+        mismatched: ``(key, checkpoint_shape, target_shape)`` for keys present on both sides.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+
+class CheckpointWriteError(CkptkitError, OSError):
+    """Writing a checkpoint failed; the previous file at the path is untouched."""
+
+
+class DistributedError(CkptkitError, RuntimeError):
+    """A collective across ranks failed or timed out (a peer died, hung, or skipped a call)."""
+
+
+class ResumeError(CkptkitError, ValueError):
+    """A training checkpoint cannot restore the objects it was given."""
+
+
+def summarize(items: Sequence[str], limit: int = 6) -> str:
+    """Join ``items`` for a message, eliding the tail: ``a, b, c ... and 12 more``."""
+    shown = ", ".join(items[:limit])
+    rest = len(items) - limit
+    return f"{shown} ... and {rest} more" if rest > 0 else shown

@@ -1,0 +1,103 @@
+"""Where the model weights live inside a checkpoint object.
+
+Users meet a bare state dict, or a training checkpoint that nests one under ``state_dict``
+(Lightning), ``model``, ``model_state_dict``, ``module`` (some DDP scripts) and friends. The
+lookup never imports torch: the caller says what counts as a tensor, so the same code serves
+real tensors and the placeholders of the torch-free reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._errors import LayoutError, summarize
+
+MODEL_KEYS: tuple[str, ...] = ("state_dict", "model", "model_state_dict", "module", "net", "network", "weights")
+
+
+def _default_is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def is_state_dict(obj: Any, is_tensor: Callable[[Any], bool] | None = None) -> bool:
+    """True for a mapping of string keys to tensors (``*_extra_state`` entries may be anything)."""
+    if not isinstance(obj, Mapping) or not obj:
+        return False
+    is_tensor = is_tensor or _default_is_tensor
+    seen_tensor = False
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            return False
+        if is_tensor(value):
+            seen_tensor = True
+        elif not key.endswith("_extra_state"):
+            return False
+    return seen_tensor
+
+
+def find_model_state(
+    obj: Any, *, key: str | None = None, is_tensor: Callable[[Any], bool] | None = None, source: str = "checkpoint"
+) -> tuple[tuple[str, ...], Mapping[str, Any]]:
+    """Locate the model state dict inside a loaded checkpoint.
+
+    Args:
+        obj: what the checkpoint holds.
+        key: where the weights are, as ``"ema"`` or a path ``"ema/model"``; found
+            automatically when omitted.
+        is_tensor: predicate for tensor values (default: ``isinstance(v, torch.Tensor)``).
+        source: the file name, for error messages.
+
+    Returns:
+        ``(path, state_dict)``, where ``path`` is ``()`` for a bare state dict, else the keys
+        leading to it, e.g. ``("model",)``.
+
+    Raises:
+        LayoutError: no state dict at ``key``, or none of the usual places holds one.
+    """
+    is_tensor = is_tensor or _default_is_tensor
+    if key is not None:
+        node = obj
+        path = tuple(p for p in key.split("/") if p)
+        for depth, part in enumerate(path):
+            if not isinstance(node, Mapping) or part not in node:
+                where = "/".join(path[:depth]) or "the top level"
+                have = list(node.keys()) if isinstance(node, Mapping) else []
+                raise LayoutError(
+                    f"{source}: no entry {part!r} at {where} (entries: {summarize([str(k) for k in have]) or 'none'})"
+                )
+            node = node[part]
+        if not is_state_dict(node, is_tensor):
+            raise LayoutError(f"{source}: entry {key!r} is not a state dict (a mapping of names to tensors)")
+        return path, node
+    if is_state_dict(obj, is_tensor):
+        return (), obj
+    if isinstance(obj, Mapping):
+        for name in MODEL_KEYS:
+            if name in obj and is_state_dict(obj[name], is_tensor):
+                return (name,), obj[name]
+        candidates = [str(k) for k, v in obj.items() if is_state_dict(v, is_tensor)]
+        if len(candidates) == 1:
+            return (candidates[0],), obj[candidates[0]]
+        top = summarize([str(k) for k in obj.keys()]) or "none"
+        if candidates:
+            raise LayoutError(
+                f"{source}: several entries hold state dicts ({summarize(candidates)}); "
+                "say which with key= (CLI: --key)"
+            )
+        raise LayoutError(
+            f"{source}: no model state dict found; looked at the top level and at "
+            f"{', '.join(MODEL_KEYS)} (top-level entries: {top}); say where with key= (CLI: --key)"
+        )
+    raise LayoutError(f"{source}: holds a {type(obj).__name__}, not a state dict or a dict of entries")
+
+
+def replace_at(obj: Any, path: tuple[str, ...], value: Any) -> Any:
+    """Return ``obj`` with the entry at ``path`` replaced by ``value`` (containers copied shallowly)."""
+    if not path:
+        return value
+    copy = obj.copy() if hasattr(obj, "copy") else dict(obj)
+    copy[path[0]] = replace_at(obj[path[0]], path[1:], value)
+    return copy

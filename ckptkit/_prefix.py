@@ -1,0 +1,271 @@
+"""Rename state-dict keys between wrapped and plain models, without touching a tensor.
+
+Wrappers put a path segment in front of every key: ``module.`` (DataParallel and
+DistributedDataParallel), ``_orig_mod.`` (torch.compile), in any nesting and also below the
+root when only a submodule was wrapped (``encoder._orig_mod.layer.weight``). The functions here
+return a new ``OrderedDict`` holding the same value objects in the same order, and carry
+``state_dict._metadata`` (per-module versions that BatchNorm and others read when loading)
+over to the renamed module paths. Nothing here imports torch, so the CLI can rename keys in a
+checkpoint it never fully loads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import ArgumentError, summarize
+
+WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
+
+
+def _check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not prefix.endswith(".") or prefix.strip(".") == "" or ".." in prefix:
+        raise ArgumentError(f"prefix must be a dotted module path ending in '.', like 'module.'; got {prefix!r}")
+    return prefix
+
+
+def _rebuild(
+    state_dict: Mapping[str, Any],
+    rename_key: Callable[[str], str],
+    rename_path: Callable[[str], str | None],
+) -> OrderedDict[str, Any]:
+    out: OrderedDict[str, Any] = OrderedDict()
+    clashes: dict[str, list[str]] = {}
+    for key, value in state_dict.items():
+        new = rename_key(key)
+        if new in out:
+            clashes.setdefault(new, []).append(key)
+        out[new] = value
+    if clashes:
+        sample = [f"{new} <- {', '.join(olds)}" for new, olds in clashes.items()]
+        raise ArgumentError(
+            f"renaming would merge {len(clashes)} keys into one name each ({summarize(sample, 3)}); "
+            "the state dict holds both the wrapped and the plain name of the same parameter"
+        )
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        new_meta: OrderedDict[str, Any] = OrderedDict()
+        for path, value in meta.items():
+            renamed = rename_path(path)
+            if renamed is not None:
+                new_meta[renamed] = value
+        out._metadata = new_meta  # type: ignore[attr-defined]
+    return out
+
+
+def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict[str, Any]:
+    """Remove ``prefix`` from the start of every key that has it.
+
+    Unlike ``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present`` it does not
+    modify its input, and it keeps key order (pytorch/pytorch#106942).
+
+    Args:
+        state_dict: a model state dict (any mapping of names to values).
+        prefix: the wrapper prefix, ending in ``.``.
+
+    Returns:
+        A new ordered dict with the same values and ``_metadata`` renamed to match.
+
+    Example:
+        >>> dict(strip_prefix({"module.fc.weight": 1, "module.fc.bias": 2}))
+        {'fc.weight': 1, 'fc.bias': 2}
+    """
+    _check_prefix(prefix)
+    root = prefix[:-1]
+
+    def path(p: str) -> str:
+        if p == root:
+            return ""
+        return p[len(prefix):] if p.startswith(prefix) else p
+
+    return _rebuild(state_dict, lambda k: k[len(prefix):] if k.startswith(prefix) else k, path)
+
+
+def add_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict[str, Any]:
+    """Put ``prefix`` in front of every key, as wrapping the model in DDP/DataParallel would.
+
+    Example:
+        >>> dict(add_prefix({"fc.weight": 1}))
+        {'module.fc.weight': 1}
+    """
+    _check_prefix(prefix)
+    root = prefix[:-1]
+    out = _rebuild(state_dict, lambda k: prefix + k, lambda p: f"{root}.{p}" if p else root)
+    meta = getattr(out, "_metadata", None)
+    if meta is not None:
+        # The new outer module is a wrapper; wrappers are plain nn.Module, version 1.
+        meta[""] = {"version": 1}
+        meta.move_to_end("", last=False)
+    return out
+
+
+@dataclass(frozen=True)
+class PrefixInfo:
+    """What :func:`detect_prefixes` found.
+
+    Attributes:
+        leading: wrapper prefixes every key starts with, outermost first,
+            e.g. ``("module.", "_orig_mod.")``.
+        nested: wrapper paths found deeper inside keys, e.g. ``("encoder._orig_mod.",)``.
+        common: a non-wrapper prefix every key shares after the wrappers (Lightning's
+            ``model.``), or ``""``.
+    """
+
+    leading: tuple[str, ...] = ()
+    nested: tuple[str, ...] = ()
+    common: str = ""
+
+    @property
+    def prefix(self) -> str:
+        """The leading wrappers as one string, e.g. ``"module._orig_mod."``."""
+        return "".join(self.leading)
+
+    @property
+    def wrapped(self) -> bool:
+        """True when any wrapper prefix was found."""
+        return bool(self.leading or self.nested)
+
+
+def detect_prefixes(
+    state_dict: Mapping[str, Any] | Iterable[str], *, wrappers: Iterable[str] = WRAPPER_PREFIXES
+) -> PrefixInfo:
+    """Report which wrapper prefixes the keys of a state dict carry.
+
+    Example:
+        >>> detect_prefixes({"_orig_mod.module.fc.weight": 0}).leading
+        ('_orig_mod.', 'module.')
+    """
+    names = {_check_prefix(w)[:-1] for w in wrappers}
+    split = [k.split(".") for k in state_dict]
+    if not split:
+        return PrefixInfo()
+    leading: list[str] = []
+    depth = 0
+    while True:
+        heads = {parts[depth] if len(parts) > depth + 1 else None for parts in split}
+        if len(heads) != 1:
+            break
+        head = heads.pop()
+        if head not in names:
+            break
+        leading.append(head + ".")
+        depth += 1
+    nested: dict[str, None] = {}
+    for parts in split:
+        for i in range(depth, len(parts) - 1):
+            if parts[i] in names:
+                nested[".".join(parts[: i + 1]) + "."] = None
+    common: list[str] = []
+    if len(split) > 1:
+        i = depth
+        while all(len(p) > i + 1 for p in split) and len({p[i] for p in split}) == 1:
+            if split[0][i] in names:
+                break
+            common.append(split[0][i])
+            i += 1
+    return PrefixInfo(tuple(leading), tuple(nested), ".".join(common) + "." if common else "")
+
+
+def _target_keys(target: Any) -> tuple[list[str], dict[str, int] | None]:
+    """Keys of a target, and for a live model its module paths (in order) with their versions."""
+    if hasattr(target, "state_dict") and hasattr(target, "named_modules"):
+        keys = list(target.state_dict().keys())
+        modules = {name: getattr(m, "_version", 1) for name, m in target.named_modules(remove_duplicate=False)}
+        return keys, modules
+    if isinstance(target, Mapping):
+        return list(target.keys()), None
+    if isinstance(target, str):
+        raise ArgumentError("target must be a model, a state dict or a collection of keys, not a string")
+    return list(target), None
+
+
+def _innermost(paths: Iterable[str], canon: Callable[[str], str]) -> dict[str, str]:
+    inner: dict[str, str] = {}
+    for p in sorted(paths, key=len):
+        inner[canon(p)] = p
+    return inner
+
+
+def adapt_state_dict(
+    state_dict: Mapping[str, Any],
+    target: Any,
+    *,
+    wrappers: Iterable[str] = WRAPPER_PREFIXES,
+) -> OrderedDict[str, Any]:
+    """Rename keys so they match ``target``, adding or removing wrapper segments as needed.
+
+    Two keys correspond when they are equal once every wrapper segment (``module``,
+    ``_orig_mod`` by default) is dropped, so DDP -> plain, plain -> compiled(DDP),
+    ``module._orig_mod.`` -> ``_orig_mod.module.`` and wrappers around submodules all work.
+    Keys with no counterpart in ``target`` get the same change of leading wrappers as the rest
+    (so a strict load reports them under names comparable with the target's).
+
+    Args:
+        state_dict: the state dict to rename.
+        target: the model to load into (wrapped or not), its state dict, or its keys.
+        wrappers: the wrapper prefixes to ignore when matching; add e.g. ``"model."`` for
+            Lightning checkpoints.
+
+    Returns:
+        A new ordered dict in the source order, same values, ``_metadata`` renamed.
+
+    Example:
+        >>> dict(adapt_state_dict({"module._orig_mod.fc.weight": 0}, ["fc.weight"]))
+        {'fc.weight': 0}
+    """
+    names = frozenset(_check_prefix(w)[:-1] for w in wrappers)
+
+    def canon(key: str) -> str:
+        return ".".join(p for p in key.split(".") if p not in names)
+
+    keys, modules = _target_keys(target)
+    by_canon: dict[str, str | None] = {}
+    for key in keys:
+        c = canon(key)
+        # Two target keys with one canonical form (a real submodule named "module" beside its
+        # sibling): only exact names can match those.
+        by_canon[c] = None if c in by_canon and by_canon[c] != key else key
+    exact = set(keys)
+    wrapper_list = [n + "." for n in names]
+    source_lead = detect_prefixes(state_dict, wrappers=wrapper_list).prefix
+    target_lead = detect_prefixes(keys, wrappers=wrapper_list).prefix
+
+    def rename_key(key: str) -> str:
+        if key in exact:
+            return key
+        found = by_canon.get(canon(key))
+        if found is not None:
+            return found
+        return target_lead + key[len(source_lead):] if key.startswith(source_lead) else key
+
+    if modules is None:
+        modules = {"": 1}
+        for key in keys:
+            parts = key.split(".")
+            modules.update((".".join(parts[:i]), 1) for i in range(1, len(parts)))
+    module_paths = set(modules)
+    # Paths with one canonical form are a chain of wrappers around one real module ("",
+    # "module", "module._orig_mod"); the real module is the innermost, i.e. the longest path.
+    target_inner = _innermost(module_paths, canon)
+    source_inner = _innermost(getattr(state_dict, "_metadata", None) or (), canon)
+
+    def rename_path(p: str) -> str | None:
+        c = canon(p)
+        if source_inner.get(c) == p:
+            return target_inner.get(c, p)
+        # A wrapper's own entry: keep it only where the target has that same wrapper.
+        return p if p in module_paths and target_inner.get(c) != p else None
+
+    out = _rebuild(state_dict, rename_key, rename_path)
+    meta = getattr(out, "_metadata", None)
+    if meta is not None:
+        # Wrappers the source lacked get their entries, and entries follow the target's order.
+        order = {p: i for i, p in enumerate(modules)}
+        for p in modules:
+            if target_inner.get(canon(p)) != p and p not in meta:
+                meta[p] = {"version": modules[p]}
+        out._metadata = OrderedDict(sorted(meta.items(), key=lambda kv: order.get(kv[0], len(order))))  # type: ignore[attr-defined]
+    return out

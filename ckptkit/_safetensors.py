@@ -1,0 +1,235 @@
+"""safetensors reading and writing, streaming, with tied tensors handled.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N, a
+JSON header of N bytes (space-padded so data starts 8-aligned), then raw little-endian bytes.
+Each header entry is ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data;
+``__metadata__`` maps strings to strings. We write the file ourselves instead of calling
+``safetensors.torch.save_file`` so the bytes go into our atomic temp file, stream tensor by
+tensor (no whole-file buffer, no numpy), and keep tied weights: a tensor that is an exact alias
+of another is stored once and recorded under ``ckptkit.aliases`` so loading re-ties it, as
+``safetensors.torch.save_model``/``load_model`` do for modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any, BinaryIO
+
+from ._errors import ArgumentError, CheckpointFormatError, summarize
+
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+ALIASES_KEY = "ckptkit.aliases"
+MAGIC_HINT = "safetensors"
+
+
+def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None) -> bytes:
+    """Length prefix + JSON header for ``(name, dtype, shape, nbytes)`` entries laid out in order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_header(f: BinaryIO, *, size: int | None = None, source: str = "file") -> tuple[dict[str, Any], int]:
+    """Parse and validate a safetensors header without reading tensor data.
+
+    Returns:
+        ``(header, data_start)``: the header in file order (``__metadata__`` included when
+        present) and the byte offset where tensor data begins.
+
+    Raises:
+        CheckpointFormatError: naming what is wrong (length past EOF, bad JSON, unknown dtype,
+            offsets out of bounds or overlapping, size not matching the shape).
+    """
+    if size is None:
+        size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise CheckpointFormatError(f"{source}: {size} bytes is too short for a safetensors file (needs 8+)")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointFormatError(
+            f"{source}: safetensors header claims {n} bytes but the file has {size - 8} after the length "
+            f"(limit {MAX_HEADER}); the file is truncated or not safetensors"
+        )
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(f"{source}: safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{source}: safetensors header is a JSON {type(header).__name__}, not an object")
+    data_len = size - 8 - n
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CheckpointFormatError(f"{source}: __metadata__ must map strings to strings")
+            continue
+        spans.append(_check_entry(name, entry, data_len, source))
+    spans.sort()
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            what = "overlaps the previous tensor" if begin < end else f"leaves a gap of {begin - end} bytes"
+            raise CheckpointFormatError(f"{source}: tensor {name!r} at byte {begin} {what}")
+        end = stop
+    if end != data_len:
+        raise CheckpointFormatError(f"{source}: tensors cover {end} bytes but the data section has {data_len}")
+    return header, 8 + n
+
+
+def _check_entry(name: str, entry: Any, data_len: int, source: str) -> tuple[int, int, str]:
+    if not isinstance(entry, dict):
+        raise CheckpointFormatError(f"{source}: header entry {name!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise CheckpointFormatError(f"{source}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise CheckpointFormatError(f"{source}: tensor {name!r} has invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_len
+    ):
+        raise CheckpointFormatError(
+            f"{source}: tensor {name!r} has data_offsets {offsets!r} outside the {data_len}-byte data section"
+        )
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise CheckpointFormatError(
+            f"{source}: tensor {name!r} is {dtype}{shape} = {expected} bytes but its offsets span {offsets[1] - offsets[0]}"
+        )
+    return offsets[0], offsets[1], name
+
+
+def _torch_dtypes() -> dict[Any, str]:
+    import torch
+
+    names = {
+        "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+        "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+        "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
+        "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+        "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    }  # fmt: skip
+    return {getattr(torch, k): v for k, v in names.items() if hasattr(torch, k)}
+
+
+def find_aliases(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """Map each key whose tensor is an exact alias (same memory, shape, stride, dtype) of an
+    earlier key to that earlier key: tied embeddings and the like."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for key, t in state_dict.items():
+        if t.numel() == 0:
+            continue
+        ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if ident in first:
+            aliases[key] = first[ident]
+        else:
+            first[ident] = key
+    return aliases
+
+
+def _raw(t: Any) -> memoryview:
+    """The bytes of a CPU contiguous tensor, without copying them."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def save_tensors(f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+    """Write a mapping of tensors to ``f`` in safetensors format, tied tensors stored once.
+
+    Raises:
+        ArgumentError: when a value is not a tensor, or a dtype has no safetensors name.
+    """
+    import sys
+
+    import torch
+
+    if sys.byteorder != "little":
+        raise ArgumentError("writing safetensors needs a little-endian machine")
+    bad = [f"{k} ({type(v).__name__})" for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ArgumentError(
+            f"safetensors holds only tensors, but {len(bad)} entries are not: {summarize(bad)}; "
+            "save them with a .pt suffix, or pass only the model state dict"
+        )
+    names = _torch_dtypes()
+    unknown = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in names]
+    if unknown:
+        raise ArgumentError(f"safetensors has no dtype for {summarize(unknown)}; use a .pt suffix")
+    aliases = find_aliases(state_dict)
+    keep = [(k, v) for k, v in state_dict.items() if k not in aliases]
+    meta = {"format": "pt", **(metadata or {})}
+    if aliases:
+        # {alias: [target, position in the original order]} so loading restores order too.
+        position = {k: i for i, k in enumerate(state_dict)}
+        meta[ALIASES_KEY] = json.dumps({a: [t, position[a]] for a, t in aliases.items()})
+    f.write(header_bytes(((k, names[v.dtype], list(v.shape), v.numel() * v.element_size()) for k, v in keep), meta))
+    for _, t in keep:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.contiguous()
+        f.write(_raw(t))  # t stays referenced until the write returns
+
+
+def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[OrderedDict[str, Any], dict[str, str]]:
+    """Read a safetensors file into an ordered dict (file order), re-tying recorded aliases.
+
+    Returns:
+        ``(tensors, metadata)``.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    source = os.fspath(path)
+    with open(source, "rb") as f:
+        header, _ = read_header(f, source=source)
+    meta: dict[str, str] = dict(header.pop("__metadata__", {}) or {})
+    out: OrderedDict[str, Any] = OrderedDict()
+    try:
+        with safe_open(source, framework="pt", device=device) as sf:
+            for name in header:
+                out[name] = sf.get_tensor(name)
+    except SafetensorError as e:
+        raise CheckpointFormatError(f"{source}: {e}") from e
+    return _retie(out, meta, source), meta
+
+
+def _retie(tensors: OrderedDict[str, Any], meta: Mapping[str, str], source: str) -> OrderedDict[str, Any]:
+    try:
+        aliases = json.loads(meta.get(ALIASES_KEY, "{}"))
+        placed = sorted((int(pos), alias, target) for alias, (target, pos) in aliases.items())
+    except (ValueError, TypeError) as e:
+        raise CheckpointFormatError(f"{source}: metadata {ALIASES_KEY} is malformed ({e})") from e
+    if not placed:
+        return tensors
+    items = list(tensors.items())
+    for pos, alias, target in placed:
+        if target not in tensors:
+            raise CheckpointFormatError(f"{source}: alias {alias!r} points at missing tensor {target!r}")
+        items.insert(min(pos, len(items)), (alias, tensors[target]))
+    return OrderedDict(items)

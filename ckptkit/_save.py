@@ -1,0 +1,90 @@
+"""Rank-0 saving: one writer, every rank agrees on the outcome, nobody hangs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import _dist, _errors
+from ._atomic import atomic_write
+from ._errors import ArgumentError, CheckpointWriteError, CkptkitError
+
+
+def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``obj`` to ``path`` atomically, in the format its suffix names.
+
+    ``.safetensors`` takes a mapping of tensors or an ``nn.Module`` (its state dict; tied
+    tensors are stored once and re-tied on load). Any other suffix gets torch's zip format.
+    """
+    dest = Path(path)
+    if dest.suffix == ".safetensors":
+        from ._safetensors import save_tensors
+
+        if hasattr(obj, "state_dict") and hasattr(obj, "named_modules"):
+            obj = obj.state_dict()
+        if not isinstance(obj, Mapping):
+            raise ArgumentError(f"{dest}: safetensors holds a mapping of tensors, not a {type(obj).__name__}")
+        with atomic_write(dest) as f:
+            save_tensors(f, obj)
+        return
+    import torch
+
+    with atomic_write(dest) as f:
+        torch.save(obj, f)
+
+
+def _rebuild_error(kind: str, message: str) -> CkptkitError:
+    cls = getattr(_errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, CkptkitError)):
+        cls = CheckpointWriteError
+    return cls(message)
+
+
+def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _dist.DEFAULT_TIMEOUT_S) -> None:
+    """Save ``obj`` from global rank 0; every rank returns once the file is complete and durable.
+
+    Must be called on all ranks. Rank 0 writes atomically (temp file in the same folder,
+    fsync, ``os.replace``, fsync of the folder), then tells every rank how it went over a gloo
+    control group: if rank 0 fails (permission denied, disk full, an object that cannot be
+    serialised) every rank raises a :class:`CkptkitError` naming the cause, instead of the
+    other ranks waiting forever at a barrier. If rank 0 dies, the others raise
+    :class:`DistributedError` once gloo notices the closed connection, or after ``timeout``
+    seconds at the latest. Without a process group it simply saves. Other ranks' ``obj`` is
+    ignored (it may be ``None``).
+
+    Args:
+        obj: what to save: anything ``torch.save`` takes, or for a ``.safetensors`` path a
+            mapping of tensors (or a module).
+        path: the destination; its folder must exist.
+        timeout: seconds the other ranks wait for rank 0's write at most.
+
+    Raises:
+        CheckpointWriteError: the write failed (on every rank).
+        ArgumentError: ``obj`` does not fit the format (on every rank).
+        DistributedError: a rank died or did not reach this call in time.
+
+    Example:
+        >>> save_on_master(model.state_dict(), "ckpt/last.pt")  # doctest: +SKIP
+    """
+    dest = Path(path)
+    failure: Exception | None = None
+    status: tuple[str, str] | None = None
+    if _dist.rank() == 0:
+        try:
+            write_checkpoint(obj, dest)
+        except Exception as e:  # reported to every rank below, then re-raised
+            failure = e
+            if isinstance(e, CkptkitError):
+                status = (type(e).__name__, str(e))
+            else:
+                status = ("CheckpointWriteError", f"cannot save {dest}: {type(e).__name__}: {e}")
+    status = _dist.broadcast_object(status, timeout_s=timeout, what=f"save_on_master({dest})")
+    if status is None:
+        return
+    if failure is not None:
+        if isinstance(failure, CkptkitError):
+            raise failure
+        raise CheckpointWriteError(status[1]) from failure
+    raise _rebuild_error(status[0], f"rank 0 failed to save: {status[1]}")

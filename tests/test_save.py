@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit._atomic import TMP_SUFFIX
+from fixtures.models import TiedLM, TinyNet
+
+
+class Unpicklable:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        raise RuntimeError("cannot pickle me")
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(TMP_SUFFIX))
+
+
+@pytest.mark.parametrize("name", ["ckpt.pt", "ckpt.safetensors"])
+def test_save_without_process_group_round_trips(tmp_path: Path, name: str) -> None:
+    sd = TinyNet().state_dict()
+    ckptkit.save_on_master(sd, tmp_path / name)
+    loaded = ckptkit.read_checkpoint(tmp_path / name)
+    assert list(loaded) == list(sd)
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+    assert leftovers(tmp_path) == []
+
+
+def test_failed_save_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    ckptkit.save_on_master({"v": torch.ones(3)}, path)
+    before = path.read_bytes()
+    with pytest.raises(ckptkit.CheckpointWriteError, match="cannot pickle me"):
+        ckptkit.save_on_master({"v": torch.zeros(3), "bad": Unpicklable()}, path)
+    assert path.read_bytes() == before
+    assert leftovers(tmp_path) == []
+
+
+def test_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ckptkit.CheckpointWriteError, match=r"nope does not exist; create the folder first"):
+        ckptkit.save_on_master({"v": torch.ones(1)}, tmp_path / "nope" / "ckpt.pt")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores folder permissions")
+def test_read_only_folder_is_a_clear_error(tmp_path: Path) -> None:
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(ckptkit.CheckpointWriteError, match="permission denied"):
+            ckptkit.save_on_master({"v": torch.ones(1)}, tmp_path / "ckpt.pt")
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_saved_file_gets_umask_permissions_not_0600(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        ckptkit.save_on_master({"v": torch.ones(1)}, tmp_path / "ckpt.pt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ckpt.pt").stat().st_mode & 0o777 == 0o644
+
+
+def test_stale_temp_of_a_killed_writer_is_removed(tmp_path: Path) -> None:
+    """kill -9 runs no cleanup, so its temp file stays; the next save of that path removes it."""
+    path = tmp_path / "ckpt.pt"
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from ckptkit._atomic import atomic_write
+        with atomic_write({str(path)!r}) as f:
+            f.write(b"partial")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], check=False)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(leftovers(tmp_path)) == 1 and not path.exists()
+    ckptkit.save_on_master({"v": torch.ones(1)}, path)
+    assert leftovers(tmp_path) == []
+    assert torch.equal(ckptkit.read_checkpoint(path)["v"], torch.ones(1))
+
+
+def test_temp_of_a_live_writer_is_left_alone(tmp_path: Path) -> None:
+    from ckptkit._atomic import _HOST
+
+    live = tmp_path / f".ckpt.pt.{_HOST}-{os.getpid()}-abcd1234{TMP_SUFFIX}"
+    live.write_bytes(b"in progress")
+    ckptkit.save_on_master({"v": torch.ones(1)}, tmp_path / "ckpt.pt")
+    assert live.exists()
+
+
+def test_safetensors_refuses_non_tensors_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ckptkit.ArgumentError, match=r"2 entries are not: epoch \(int\), args \(dict\)"):
+        ckptkit.save_on_master({"w": torch.ones(1), "epoch": 3, "args": {}}, tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_safetensors_from_a_module_keeps_tied_weights(tmp_path: Path) -> None:
+    lm = TiedLM()
+    ckptkit.save_on_master(lm, tmp_path / "lm.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "lm.safetensors", framework="pt") as f:  # readable by safetensors itself
+        assert sorted(f.keys()) == ["embed.weight", "norm.bias", "norm.weight"]
+    loaded = ckptkit.read_checkpoint(tmp_path / "lm.safetensors")
+    assert list(loaded) == list(lm.state_dict())
+    assert loaded["head.weight"] is loaded["embed.weight"]
+
+
+def test_safetensors_partial_views_are_stored_by_value(tmp_path: Path) -> None:
+    base = torch.arange(12, dtype=torch.float32)
+    sd = {"a": base[:6].view(2, 3), "b": base[4:], "t": base.view(3, 4).t()}  # overlapping, non-contiguous
+    ckptkit.save_on_master(sd, tmp_path / "v.safetensors")
+    loaded = ckptkit.read_checkpoint(tmp_path / "v.safetensors")
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.int8, torch.bool, torch.float64, torch.float8_e4m3fn, torch.uint32]
+)
+def test_safetensors_dtypes(tmp_path: Path, dtype: torch.dtype) -> None:
+    t = (torch.arange(6) % 3).to(dtype).reshape(2, 3)
+    ckptkit.save_on_master({"t": t, "empty": torch.zeros(0, 4, dtype=dtype)}, tmp_path / "d.safetensors")
+    loaded = ckptkit.read_checkpoint(tmp_path / "d.safetensors")
+    assert loaded["t"].dtype == dtype and torch.equal(loaded["t"].view(torch.uint8), t.view(torch.uint8))
+    assert loaded["empty"].shape == (0, 4)
