@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "add_prefix": "._prefix",
     "detect_prefixes": "._prefix",
     "adapt_state_dict": "._prefix",
+    "rewrite_prefixes": "._prefix",
     "PrefixInfo": "._prefix",
     "WRAPPER_PREFIXES": "._prefix",
     "find_model_state": "._layout",
@@ -49,6 +50,14 @@ _LAZY: dict[str, str] = {
     "ResumableDistributedSampler": "._sampler",
     "capture_rng_state": "._rng",
     "restore_rng_state": "._rng",
+    "convert_checkpoint": "._convert",
+    "ConvertReport": "._convert",
+    "inspect_checkpoint": "._inspect",
+    "CheckpointSummary": "._inspect",
+    "diff_checkpoints": "._diff",
+    "DiffReport": "._diff",
+    "verify_checkpoint": "._verify",
+    "VerifyReport": "._verify",
 }
 
 __all__ = [
@@ -81,9 +90,21 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._convert import ConvertReport, convert_checkpoint
+    from ._diff import DiffReport, diff_checkpoints
+    from ._inspect import CheckpointSummary, inspect_checkpoint
+    from ._verify import VerifyReport, verify_checkpoint
     from ._layout import find_model_state
     from ._load import device_for_rank, load_for_rank, read_checkpoint
-    from ._prefix import WRAPPER_PREFIXES, PrefixInfo, adapt_state_dict, add_prefix, detect_prefixes, strip_prefix
+    from ._prefix import (
+        WRAPPER_PREFIXES,
+        PrefixInfo,
+        adapt_state_dict,
+        add_prefix,
+        detect_prefixes,
+        rewrite_prefixes,
+        strip_prefix,
+    )
     from ._rng import capture_rng_state, restore_rng_state
     from ._sampler import ResumableDistributedSampler
     from ._save import save_on_master, write_checkpoint

@@ -145,6 +145,11 @@ def checkpoint_globals(path: str | os.PathLike[str]) -> list[str]:
 
 def unsafe_globals(path: str | os.PathLike[str]) -> list[str]:
     """The globals in ``path`` that torch's weights-only unpickler would refuse."""
+    return filter_unsafe(checkpoint_globals(path))
+
+
+def filter_unsafe(names: list[str]) -> list[str]:
+    """Keep the names torch's weights-only unpickler would refuse (its allowlist + safe_globals)."""
     import torch
 
     try:
@@ -157,4 +162,4 @@ def unsafe_globals(path: str | os.PathLike[str]) -> list[str]:
     for g in torch.serialization.get_safe_globals():
         obj = g[0] if isinstance(g, tuple) else g
         allowed.add(f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}")
-    return [g for g in checkpoint_globals(path) if g not in allowed and not (fallback and g.startswith("torch."))]
+    return [g for g in names if g not in allowed and not (fallback and g.startswith("torch."))]

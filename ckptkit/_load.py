@@ -97,10 +97,9 @@ def read_checkpoint(
             raise ArgumentError(f"{source}: safetensors files take a device as map_location, not {map_location!r}")
         return load_tensors(source, device=device)[0]
     if fmt == DCP:
-        raise CheckpointFormatError(
-            f"{source}: is a torch.distributed.checkpoint folder; load it with "
-            "torch.distributed.checkpoint.load into a live model"
-        )
+        from ._dcp import read_dcp
+
+        return read_dcp(source, trust=trust)
     if map_location is None:
         map_location = _restore_to(device_for_rank())
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": not trust}

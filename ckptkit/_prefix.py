@@ -76,9 +76,11 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> Orde
     _check_prefix(prefix)
     root = prefix[:-1]
 
-    def path(p: str) -> str:
+    def path(p: str) -> str | None:
         if p == root:
             return ""
+        if p and root.startswith(p + "."):
+            return None  # an intermediate wrapper of a multi-segment prefix ("module" of "module._orig_mod.")
         return p[len(prefix):] if p.startswith(prefix) else p
 
     return _rebuild(state_dict, lambda k: k[len(prefix):] if k.startswith(prefix) else k, path)
@@ -269,3 +271,41 @@ def adapt_state_dict(
                 meta[p] = {"version": modules[p]}
         out._metadata = OrderedDict(sorted(meta.items(), key=lambda kv: order.get(kv[0], len(order))))  # type: ignore[attr-defined]
     return out
+
+
+def rewrite_prefixes(
+    state_dict: Mapping[str, Any],
+    *,
+    to: str = "single",
+    strip: Iterable[str] = (),
+    add: Iterable[str] = (),
+) -> OrderedDict[str, Any]:
+    """Rename keys the way ``ckptkit convert`` does, without a target model.
+
+    ``to="single"`` removes the leading chain of wrapper prefixes (``module.``, ``_orig_mod.``,
+    in any nesting) and every ``_orig_mod.`` segment deeper in the keys (torch.compile of a
+    submodule). A ``module.`` segment deeper in the keys is left alone: a real submodule may be
+    called ``module``. ``to="ddp"`` does the same and then adds ``module.``; ``to="keep"``
+    leaves wrappers alone. Then every ``strip`` prefix is removed and every ``add`` prefix
+    added, in order.
+
+    Example:
+        >>> list(rewrite_prefixes({"_orig_mod.module.enc._orig_mod.w": 0}, to="ddp"))
+        ['module.enc.w']
+    """
+    if to not in ("single", "ddp", "keep"):
+        raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
+    out: Mapping[str, Any] = state_dict
+    if to != "keep":
+        for prefix in detect_prefixes(out).leading:
+            out = strip_prefix(out, prefix)
+        if any("_orig_mod" in k.split(".") for k in out):
+            target = [".".join(p for p in k.split(".") if p != "_orig_mod") for k in out]
+            out = adapt_state_dict(out, target, wrappers=("_orig_mod.",))
+    for prefix in strip:
+        out = strip_prefix(out, prefix)
+    if to == "ddp":
+        out = add_prefix(out, "module.")
+    for prefix in add:
+        out = add_prefix(out, prefix)
+    return out if isinstance(out, OrderedDict) and out is not state_dict else _rebuild(out, lambda k: k, lambda p: p)

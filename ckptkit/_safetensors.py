@@ -43,6 +43,11 @@ def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: M
     for name, dtype, shape, nbytes in entries:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
+    return encode_header(header)
+
+
+def encode_header(header: Mapping[str, Any]) -> bytes:
+    """Length prefix + compact JSON, space-padded so tensor data starts 8-byte aligned."""
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw

@@ -1,0 +1,233 @@
+"""Checkpoint rewriting without torch: names change, tensor bytes are copied as they are.
+
+A source is opened as its containers with leaf references (:class:`TensorRef` for torch zip,
+:class:`StRef` for safetensors) that know where their bytes lie. Writers for either output
+format copy those byte ranges kernel-side. Anything this path does not model raises
+:class:`NeedsTorch` (or :class:`UnsupportedGlobal`) before a byte is written, and the caller
+falls back to torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from . import _lazy_pickle as lp
+from ._errors import ArgumentError, CheckpointFormatError, summarize
+from ._formats import SAFETENSORS, ZIP
+from ._safetensors import ALIASES_KEY, encode_header, header_bytes, read_header
+from ._torchzip import Progress, TorchZip, ZipWriter, copy_range, crc_of_range
+
+_ST_TO_STORAGE = {st: name for name, (_, _, st) in lp.STORAGE_TYPES.items() if st}
+_ST_TO_DTYPE = {st: name for name, (_, st) in lp.DTYPES.items() if st}
+
+
+class NeedsTorch(Exception):
+    """This source cannot be rewritten without loading it with torch (the reason is the message)."""
+
+
+@dataclass(eq=False)  # identity matters: aliases are the same object
+class StRef:
+    """A tensor in a safetensors file: dtype, shape and absolute byte range."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    length: int
+
+
+@dataclass
+class Source:
+    """An opened checkpoint: its object tree with byte-locating leaves."""
+
+    path: Path
+    fmt: str
+    obj: Any
+    zip: TorchZip | None = None
+    metadata: dict[str, str] | None = None
+    data_start: int = 0
+
+
+def is_leaf(value: Any) -> bool:
+    return lp.is_tensor(value) or isinstance(value, StRef)
+
+
+def open_source(path: Path, fmt: str) -> Source:
+    """Read a torch zip's pickle (through stand-ins) or a safetensors header; no tensor bytes."""
+    if fmt == ZIP:
+        z = TorchZip(path)
+        return Source(path, fmt, lp.loads(z.read(f"{z.prefix}data.pkl")), zip=z)
+    if fmt == SAFETENSORS:
+        with open(path, "rb") as f:
+            header, start = read_header(f, source=str(path))
+        meta = dict(header.pop("__metadata__", None) or {})
+        obj: OrderedDict[str, Any] = OrderedDict(
+            (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0]))
+            for name, e in header.items()
+        )
+        aliases = _aliases(meta, obj, path)
+        for pos, alias, target in aliases:
+            items = list(obj.items())
+            items.insert(min(pos, len(items)), (alias, obj[target]))
+            obj = OrderedDict(items)
+        return Source(path, fmt, obj, metadata=meta, data_start=start)
+    raise NeedsTorch(f"{fmt} input")
+
+
+def _aliases(meta: Mapping[str, str], obj: Mapping[str, Any], path: Path) -> list[tuple[int, str, str]]:
+    import json
+
+    try:
+        raw = json.loads(meta.get(ALIASES_KEY, "{}"))
+        placed = sorted((int(pos), alias, target) for alias, (target, pos) in raw.items())
+    except (ValueError, TypeError) as e:
+        raise CheckpointFormatError(f"{path}: metadata {ALIASES_KEY} is malformed ({e})") from e
+    for _, alias, target in placed:
+        if target not in obj:
+            raise CheckpointFormatError(f"{path}: alias {alias!r} points at missing tensor {target!r}")
+    return placed
+
+
+def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int, int, Any]:
+    """``(safetensors dtype, shape, absolute offset, length, identity)`` of a leaf's bytes."""
+    if isinstance(ref, StRef):
+        return ref.dtype, ref.shape, ref.start, ref.length, ref
+    t = lp.tensor_of(ref)
+    if t is None or src.zip is None:
+        raise NeedsTorch(f"{name} is not a plain tensor")
+    st = lp.DTYPES.get(t.dtype, (0, None))[1]
+    if st is None:
+        raise ArgumentError(f"{src.path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store; use a .pt output")
+    if not t.is_contiguous():
+        raise NeedsTorch(f"tensor {name} is not contiguous")
+    rec = src.zip.storage(t.storage.key)
+    if rec.method != 0:
+        raise NeedsTorch(f"storage of {name} is compressed")
+    start, length = t.byte_range()
+    if start < 0 or start + length > rec.size:
+        raise CheckpointFormatError(f"{src.path}: tensor {name} reaches past the end of its storage record")
+    return st, t.shape, rec.data_offset + start, length, (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
+
+
+def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
+    """Write ``state`` (leaves of ``src``) as safetensors; returns tensor bytes written."""
+    bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not is_leaf(v)]
+    if bad:
+        raise ArgumentError(f"{src.path}: safetensors holds only tensors; not tensors: {summarize(bad)}")
+    entries, copies, aliases, first = [], [], {}, {}
+    position = {k: i for i, k in enumerate(state)}
+    for name, ref in state.items():
+        st, shape, offset, length, ident = _locate(src, ref, name)
+        if ident in first and length:
+            aliases[name] = [first[ident], position[name]]
+            continue
+        first[ident] = name
+        entries.append((name, st, list(shape), length))
+        copies.append((offset, length))
+    meta = dict(src.metadata or {}) if src.fmt == SAFETENSORS else {"format": "pt"}
+    meta.pop(ALIASES_KEY, None)
+    if aliases:
+        import json
+
+        meta[ALIASES_KEY] = json.dumps(aliases)
+    f.write(header_bytes(entries, meta))
+    with open(src.path, "rb") as fs:
+        for offset, length in copies:
+            copy_range(fs, f, offset, length, progress)
+    return sum(length for _, length in copies)
+
+
+def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
+    """safetensors -> safetensors: a new header over the untouched data section."""
+    header: dict[str, Any] = {}
+    aliases: dict[str, list[Any]] = {}
+    named: dict[int, str] = {}
+    for i, (name, ref) in enumerate(state.items()):
+        if id(ref) in named:
+            aliases[name] = [named[id(ref)], i]
+            continue
+        named[id(ref)] = name
+        begin = ref.start - src.data_start
+        header[name] = {"dtype": ref.dtype, "shape": list(ref.shape), "data_offsets": [begin, begin + ref.length]}
+    meta = {k: v for k, v in (src.metadata or {}).items() if k != ALIASES_KEY}
+    if aliases:
+        import json
+
+        meta[ALIASES_KEY] = json.dumps(aliases)
+    out = {"__metadata__": meta, **header} if meta else header
+    f.write(encode_header(out))
+    size = src.path.stat().st_size - src.data_start
+    with open(src.path, "rb") as fs:
+        copy_range(fs, f, src.data_start, size, progress)
+    return size
+
+
+def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:
+    """Write ``obj`` (containers with leaves of ``src``) as a torch zip checkpoint."""
+    if src.zip is not None:
+        data, keys = lp.dumps(obj)
+        used = set(keys)
+        z = src.zip
+        w = ZipWriter(f, alignment=z.alignment)
+        total = 0
+        with open(src.path, "rb") as fs:
+            for rec in z.records:
+                if rec.name == f"{z.prefix}data.pkl":
+                    w.add_bytes(rec.name, data)
+                elif rec.name.startswith(f"{z.prefix}data/") and rec.name[len(z.prefix) + 5 :] not in used:
+                    continue  # a storage only dropped entries used (e.g. the optimizer's, with weights_only)
+                else:
+                    w.add_copy(rec.name, fs, rec, progress)
+                    total += rec.compressed_size
+        w.close()
+        return total
+    return _safetensors_to_zip(f, src, obj, progress)
+
+
+def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:
+    rebuild_v2 = lp.Global("torch._utils", "_rebuild_tensor_v2")
+    rebuild_v3 = lp.Global("torch._utils", "_rebuild_tensor_v3")
+    untyped = lp.Global("torch.storage", "UntypedStorage")
+    made: dict[int, lp.TensorRef] = {}
+    ranges: list[tuple[int, int]] = []
+
+    def to_tensor(ref: StRef) -> lp.TensorRef:
+        if id(ref) in made:
+            return made[id(ref)]  # the same object again: pickled once, tied on load
+        key, numel = str(len(ranges)), math.prod(ref.shape)
+        stride = tuple(math.prod(ref.shape[i + 1 :]) for i in range(len(ref.shape)))
+        hooks: OrderedDict[str, Any] = OrderedDict()
+        if ref.dtype in _ST_TO_STORAGE:
+            storage = lp.StorageRef(("storage", lp.Global("torch", _ST_TO_STORAGE[ref.dtype]), key, "cpu", numel))
+            t = lp.TensorRef(rebuild_v2, (storage, 0, ref.shape, stride, False, hooks))
+        else:
+            storage = lp.StorageRef(("storage", untyped, key, "cpu", ref.length))
+            t = lp.TensorRef(rebuild_v3, (storage, 0, ref.shape, stride, False, hooks, lp.Global("torch", _ST_TO_DTYPE[ref.dtype])))
+        ranges.append((ref.start, ref.length))
+        made[id(ref)] = t
+        return t
+
+    if not isinstance(obj, Mapping):
+        raise NeedsTorch("safetensors source is not a mapping")
+    converted = OrderedDict((k, to_tensor(v)) for k, v in obj.items())
+    data, _ = lp.dumps(converted)
+    w = ZipWriter(f, alignment=64)
+    prefix = "archive/"
+    for name, payload in ((f"{prefix}data.pkl", data), (f"{prefix}.format_version", b"1"),
+                          (f"{prefix}.storage_alignment", b"64"), (f"{prefix}byteorder", b"little")):  # fmt: skip
+        w.add_bytes(name, payload)
+    digest = hashlib.sha1(data)
+    with open(src.path, "rb") as fs:
+        for i, (offset, length) in enumerate(ranges):
+            crc = crc_of_range(fs, offset, length)  # zip records carry a CRC-32: one read to get it
+            digest.update(crc.to_bytes(4, "little"))
+            w.add_range(f"{prefix}data/{i}", fs, offset, length, crc, progress)
+    w.add_bytes(f"{prefix}version", b"3\n")
+    w.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
+    w.close()
+    return sum(length for _, length in ranges)

@@ -1,0 +1,287 @@
+"""Read and rewrite a torch pickle without importing torch or running anything it names.
+
+torch writes ``data.pkl`` with protocol 2: containers are ordinary dicts/OrderedDicts/lists,
+and each tensor is a call ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride,
+...)`` whose storage is a persistent id ``('storage', torch.FloatStorage, key, location,
+numel)``. Unpickling with the pure-Python unpickler and a ``find_class`` that hands back
+inert stand-ins for an allowlist of torch names (and refuses every other global) yields the
+real containers with :class:`TensorRef` leaves. Renaming keys is then plain dict work, and
+:func:`dumps` writes the result back as the same calls and persistent ids. Tensor payloads
+are never touched: they stay in the zip records.
+
+Anything outside the allowlist (numpy scalars, argparse.Namespace, code payloads) raises
+:class:`UnsupportedGlobal`; callers fall back to torch's own weights-only loader, which
+applies torch's rules and ckptkit's trust option.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import CheckpointFormatError
+
+# Storage class -> (dtype name, bytes per element, safetensors dtype or None)
+STORAGE_TYPES: dict[str, tuple[str, int, str | None]] = {
+    "FloatStorage": ("float32", 4, "F32"), "DoubleStorage": ("float64", 8, "F64"),
+    "HalfStorage": ("float16", 2, "F16"), "BFloat16Storage": ("bfloat16", 2, "BF16"),
+    "LongStorage": ("int64", 8, "I64"), "IntStorage": ("int32", 4, "I32"),
+    "ShortStorage": ("int16", 2, "I16"), "CharStorage": ("int8", 1, "I8"),
+    "ByteStorage": ("uint8", 1, "U8"), "BoolStorage": ("bool", 1, "BOOL"),
+    "ComplexFloatStorage": ("complex64", 8, "C64"), "ComplexDoubleStorage": ("complex128", 16, None),
+}  # fmt: skip
+# dtypes named directly (``torch.uint16``), as _rebuild_tensor_v3 and plain dtype values do.
+DTYPES: dict[str, tuple[int, str | None]] = {
+    "float32": (4, "F32"), "float64": (8, "F64"), "float16": (2, "F16"), "bfloat16": (2, "BF16"),
+    "int64": (8, "I64"), "int32": (4, "I32"), "int16": (2, "I16"), "int8": (1, "I8"),
+    "uint8": (1, "U8"), "bool": (1, "BOOL"), "uint16": (2, "U16"), "uint32": (4, "U32"),
+    "uint64": (8, "U64"), "complex64": (8, "C64"), "complex128": (16, None),
+    "float8_e4m3fn": (1, "F8_E4M3"), "float8_e5m2": (1, "F8_E5M2"),
+    "float8_e4m3fnuz": (1, "F8_E4M3FNUZ"), "float8_e5m2fnuz": (1, "F8_E5M2FNUZ"),
+}  # fmt: skip
+TENSOR_BUILDERS = frozenset({"_rebuild_tensor_v2", "_rebuild_tensor_v3"})
+PARAM_BUILDERS = frozenset({"_rebuild_parameter", "_rebuild_parameter_with_state"})
+_REAL = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
+
+
+class UnsupportedGlobal(CheckpointFormatError):
+    """The pickle names a global the torch-free reader does not model (use torch's loader)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"pickle needs global {name}")
+        self.name = name
+
+
+class Global:
+    """Stands for a global such as ``torch.FloatStorage``; calling it records the call."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:
+        if self.module == "torch._utils" and self.name in TENSOR_BUILDERS:
+            return TensorRef(self, args)
+        if self.module == "torch._utils" and self.name in PARAM_BUILDERS:
+            return ParamRef(self, args)
+        return Call(self, args)
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+class Call:
+    """A recorded call of an allowed global (``torch.Size((2, 3))``, ``torch.device('cpu')``)."""
+
+    def __init__(self, func: Global, args: tuple[Any, ...]) -> None:
+        self.func, self.args = func, args
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+        return (self.func, tuple(self.args)) if self.state is None else (self.func, tuple(self.args), self.state)
+
+    def __repr__(self) -> str:
+        return f"{self.func!r}{self.args!r}"
+
+
+@dataclass
+class StorageRef:
+    """A persistent id ``('storage', type, key, location, numel)``: tensor bytes in record ``data/<key>``."""
+
+    pid: tuple[Any, ...]
+
+    @property
+    def key(self) -> str:
+        return str(self.pid[2])
+
+    @property
+    def location(self) -> str:
+        return str(self.pid[3])
+
+    @property
+    def numel(self) -> int:
+        return int(self.pid[4])
+
+    @property
+    def type_name(self) -> str:
+        return self.pid[1].name
+
+
+class TensorRef(Call):
+    """A tensor inside a torch pickle: where its bytes are, and its dtype, shape and stride."""
+
+    def _arg(self, i: int) -> Any:
+        if len(self.args) <= i:
+            raise CheckpointFormatError(f"{self.func!r} called with {len(self.args)} arguments")
+        return self.args[i]
+
+    @property
+    def storage(self) -> StorageRef:
+        s = self._arg(0)
+        if not isinstance(s, StorageRef):
+            raise CheckpointFormatError("tensor without a storage")
+        return s
+
+    @property
+    def offset(self) -> int:
+        return int(self._arg(1))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in _unwrap_size(self._arg(2)))
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in _unwrap_size(self._arg(3)))
+
+    @property
+    def dtype(self) -> str:
+        if self.func.name == "_rebuild_tensor_v3":
+            d = self._arg(6)
+            return d.name if isinstance(d, Global) else str(d)
+        return STORAGE_TYPES.get(self.storage.type_name, ("unknown", 0, None))[0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES.get(self.dtype, (0, None))[0]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def device(self) -> str:
+        return self.storage.location
+
+    def is_contiguous(self) -> bool:
+        expected, acc = [], 1
+        for d in reversed(self.shape):
+            expected.append(acc)
+            acc *= d
+        return all(s == e for s, e, d in zip(self.stride, reversed(expected), self.shape) if d != 1)
+
+    def byte_range(self) -> tuple[int, int]:
+        """``(start, length)`` of a contiguous tensor's bytes within its storage record."""
+        return self.offset * self.itemsize, self.nbytes
+
+
+class ParamRef(Call):
+    """``nn.Parameter`` around a tensor: behaves as its tensor for layout and sizes."""
+
+    @property
+    def tensor(self) -> TensorRef:
+        t = self.args[0] if self.args else None
+        if not isinstance(t, TensorRef):
+            raise CheckpointFormatError("parameter without a tensor")
+        return t
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("func", "args", "state"):
+            raise AttributeError(name)
+        return getattr(self.tensor, name)
+
+
+def _unwrap_size(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, Call) and value.func.name == "Size":
+        value = value.args[0] if value.args else ()
+    if not isinstance(value, (tuple, list)):
+        raise CheckpointFormatError(f"tensor size/stride is a {type(value).__name__}, not a tuple")
+    return tuple(value)
+
+
+def tensor_of(value: Any) -> TensorRef | None:
+    """The TensorRef behind a tensor or parameter stand-in, else None."""
+    if isinstance(value, TensorRef):
+        return value
+    if isinstance(value, ParamRef):
+        return value.tensor
+    return None
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, (TensorRef, ParamRef))
+
+
+def _allowed(module: str, name: str) -> bool:
+    if module == "torch._utils":
+        return name in TENSOR_BUILDERS or name in PARAM_BUILDERS
+    if module == "torch":
+        return name in STORAGE_TYPES or name in DTYPES or name in ("Size", "device")
+    if module == "torch.storage":
+        return name == "UntypedStorage"
+    return module == "_codecs" and name == "encode"  # protocol 2 spells bytes as _codecs.encode(str, "latin1")
+
+
+class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._globals: dict[tuple[str, str], Global] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        real = _REAL.get((module, name))
+        if real is not None:
+            return real
+        if not _allowed(module, name):
+            raise UnsupportedGlobal(f"{module}.{name}")
+        return self._globals.setdefault((module, name), Global(module, name))
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
+            raise CheckpointFormatError(f"unexpected persistent id {pid!r:.80}")
+        return StorageRef(pid)
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle a torch ``data.pkl`` into containers with stand-in leaves.
+
+    Raises:
+        UnsupportedGlobal: a global outside the allowlist (nothing was run).
+        CheckpointFormatError: the bytes are not a well-formed torch pickle.
+    """
+    try:
+        return _Unpickler(io.BytesIO(data)).load()
+    except CheckpointFormatError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        raise CheckpointFormatError(f"malformed pickle: {type(e).__name__}: {e}") from e
+
+
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=2)
+        self.storage_keys: dict[str, None] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, StorageRef):
+            self.storage_keys[obj.key] = None
+            return obj.pid
+        return None
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, Global):
+            memo = self.memo.get(id(obj))
+            if memo is not None:
+                self.write(self.get(memo[0]))
+                return
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+            self.memoize(obj)
+            return
+        super().save(obj, save_persistent_id)
+
+
+def dumps(obj: Any) -> tuple[bytes, list[str]]:
+    """Pickle stand-in containers the way torch does; also return the storage keys used."""
+    buf = io.BytesIO()
+    p = _Pickler(buf)
+    p.dump(obj)
+    return buf.getvalue(), list(p.storage_keys)

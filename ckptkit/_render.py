@@ -1,0 +1,125 @@
+"""rich rendering for the CLI: tables to stdout, progress to stderr (terminals only)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+MAX_GROUPS = 40
+
+
+def _stdout() -> Console:
+    # Piped output: plain text, and wide enough that tables do not wrap key names.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@contextlib.contextmanager
+def progress_bar(path: str, *, threshold: int, enabled: bool = True) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress callback drawing on stderr, or None when stderr is not a terminal or the file is small."""
+    try:
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+    except OSError:
+        size = 0
+    if not (enabled and sys.stderr.isatty() and size >= threshold):
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task(os.path.basename(path), total=size)
+
+        def advance(done_now: int, total: int) -> None:
+            bar.update(task, advance=done_now, total=max(total, 1))
+
+        yield advance
+
+
+def render_summary(s: Any, *, show_all: bool = False) -> None:
+    out = _stdout()
+    out.print(f"[bold]{s.path}[/]  {s.format}  {human_bytes(s.file_bytes)}")
+    if s.needs_trust:
+        out.print(
+            f"[red]not loaded:[/] its pickle needs {', '.join(s.needs_trust)}, which could run code. "
+            "Inspect it with --trust only if you trust the file."
+        )
+        return
+    if s.loaded_with_torch:
+        out.print("[dim](loaded with torch, weights-only)[/]")
+    if s.entries:
+        t = Table("entry", "kind", "detail", title="Top level", title_justify="left", box=None, padding=(0, 2))
+        for e in s.entries:
+            t.add_row(e["name"], e["kind"], e["detail"])
+        out.print(t)
+    if s.weights_at is None:
+        out.print("No model state dict found (use --key to point at it).")
+    else:
+        where = f"'{s.weights_at}'" if s.weights_at else "the top level"
+        by_dtype = ", ".join(f"{d} {human_bytes(b)}" for d, b in s.bytes_by_dtype.items())
+        devices = ", ".join(f"{d} ({n})" if len(s.devices) > 1 else d for d, n in s.devices.items())
+        out.print(f"Weights at {where}: {len(s.tensors)} tensors, {s.numel:,} elements, {by_dtype}; saved on {devices or '-'}")
+        prefixes = s.prefixes
+        leading = "".join(prefixes.get("leading", []))
+        nested = ", ".join(prefixes.get("nested", []))
+        if leading or nested:
+            hint = " -> plain keys with: ckptkit convert FILE OUT.pt" if leading else ""
+            out.print(f"Wrapper prefixes: {leading or '-'}{'; nested ' + nested if nested else ''}{hint}")
+        else:
+            out.print("Wrapper prefixes: none (plain single-device keys)")
+        if prefixes.get("common"):
+            out.print(f"Every key starts with {prefixes['common']!r} (Lightning? convert with --strip {prefixes['common']})")
+        groups = s.groups()
+        t = Table("key", "n", "layers", "shape", "dtype", "size", box=None, padding=(0, 2))
+        for g in groups if show_all else groups[:MAX_GROUPS]:
+            t.add_row(g["pattern"], str(g["count"]), g["range"], g["shape"], g["dtype"], human_bytes(g["nbytes"]))
+        out.print(t)
+        if len(groups) > MAX_GROUPS and not show_all:
+            out.print(f"... {len(groups) - MAX_GROUPS} more key groups (--all lists them)")
+    if s.metadata:
+        out.print("Metadata: " + ", ".join(f"{k}={v}" for k, v in s.metadata.items()))
+
+
+def render_diff(r: Any) -> None:
+    out = _stdout()
+    if r.equal:
+        tol = f" within atol={r.atol:g}, rtol={r.rtol:g}" if r.atol or r.rtol else ""
+        out.print(f"same weights: {r.compared} tensors compared{tol}")
+        return
+    out.print(f"[bold]weights differ[/]: {len(r.differences)} of {r.compared} shared tensors, "
+              f"{len(r.only_in_a)} only in A, {len(r.only_in_b)} only in B")  # fmt: skip
+    if r.only_in_a:
+        out.print("only in A: " + ", ".join(r.only_in_a[:20]) + (" ..." if len(r.only_in_a) > 20 else ""))
+    if r.only_in_b:
+        out.print("only in B: " + ", ".join(r.only_in_b[:20]) + (" ..." if len(r.only_in_b) > 20 else ""))
+    if r.differences:
+        t = Table("tensor", "differs in", "A", "B", "max |A-B|", box=None, padding=(0, 2))
+        for d in r.differences[:50]:
+            worst = "" if d.max_abs_diff is None else f"{d.max_abs_diff:.6g}"
+            t.add_row(d.name, d.reason, f"{d.a_dtype}{d.a_shape}", f"{d.b_dtype}{d.b_shape}", worst)
+        out.print(t)
+        if len(r.differences) > 50:
+            out.print(f"... {len(r.differences) - 50} more (--json lists all)")
+
+
+def render_verify(r: Any) -> None:
+    out = _stdout()
+    for c in r.checks:
+        mark = "[green]ok  [/]" if c["ok"] else "[red]FAIL[/]"
+        out.print(f"{mark} {c['check']}" + (f": {c['detail']}" if c["detail"] else ""))
+    out.print(f"{r.path}: {'[green]verified[/]' if r.ok else '[red]problems found[/]'}")

@@ -1,0 +1,210 @@
+"""torch's zip checkpoint container, read and written without torch.
+
+A torch zip holds ``<archive>/data.pkl`` (the pickle: names, structure, tensor metadata),
+``<archive>/data/<key>`` (raw storage bytes, stored uncompressed, each aligned to
+``.storage_alignment`` bytes, 64 by default, so they can be memory-mapped) and a few small
+records. Renaming keys only changes data.pkl, so a rewrite copies every other record's bytes,
+with their CRC-32s, kernel-side (``copy_file_range``), never through Python memory.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ._errors import CheckpointFormatError
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
+_U32 = 0xFFFFFFFF  # the "see zip64 extra" sentinel
+ZIP64_AT = _U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
+_CHUNK = 64 << 20
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One zip member: where its (stored or compressed) bytes are and what the zip says of them."""
+
+    name: str
+    data_offset: int
+    compressed_size: int
+    size: int
+    crc: int
+    method: int
+
+
+class TorchZip:
+    """The records of a torch zip checkpoint, in file order, with their data offsets."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        try:
+            with zipfile.ZipFile(self.path) as zf:
+                infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as e:
+            raise CheckpointFormatError(f"{self.path}: damaged zip archive ({e})") from e
+        pkl = [i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+        if len(pkl) != 1:
+            raise CheckpointFormatError(f"{self.path}: a torch checkpoint has one data.pkl, this zip has {len(pkl)}")
+        self.prefix = pkl[0][: -len("data.pkl")]
+        self.records: list[Record] = []
+        with open(self.path, "rb") as f:
+            for info in infos:
+                f.seek(info.header_offset)
+                head = f.read(_LOCAL.size)
+                if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
+                    raise CheckpointFormatError(f"{self.path}: local header of {info.filename} is damaged")
+                name_len, extra_len = struct.unpack("<HH", head[26:30])
+                start = info.header_offset + _LOCAL.size + name_len + extra_len
+                if start + info.compress_size > size:
+                    raise CheckpointFormatError(
+                        f"{self.path}: record {info.filename} runs past the end of the file (truncated?)"
+                    )
+                self.records.append(
+                    Record(info.filename, start, info.compress_size, info.file_size, info.CRC, info.compress_type)
+                )
+        self.by_name = {r.name: r for r in self.records}
+
+    def read(self, name: str) -> bytes:
+        """A small record's bytes, CRC-checked."""
+        rec = self.by_name[name]
+        if rec.method != zipfile.ZIP_STORED:
+            with zipfile.ZipFile(self.path) as zf:
+                return zf.read(name)
+        with open(self.path, "rb") as f:
+            f.seek(rec.data_offset)
+            data = f.read(rec.compressed_size)
+        if zlib.crc32(data) != rec.crc:
+            raise CheckpointFormatError(f"{self.path}: record {name} fails its CRC-32 check (the file is damaged)")
+        return data
+
+    def storage(self, key: str) -> Record:
+        rec = self.by_name.get(f"{self.prefix}data/{key}")
+        if rec is None:
+            raise CheckpointFormatError(f"{self.path}: the pickle refers to storage {key}, which the zip lacks")
+        return rec
+
+    @property
+    def alignment(self) -> int:
+        name = f"{self.prefix}.storage_alignment"
+        if name in self.by_name:
+            try:
+                return max(1, int(self.read(name)))
+            except ValueError:
+                return 64
+        return 64
+
+
+def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, length: int, progress: Progress | None = None) -> None:
+    """Append ``length`` bytes of ``src`` from ``offset`` to ``dst``, in the kernel when it can."""
+    dst.flush()
+    out, inp = dst.fileno(), src.fileno()
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < length:
+        step = min(_CHUNK, length - done)
+        n = 0
+        if use_kernel:
+            try:
+                n = os.copy_file_range(inp, out, step, offset + done)
+            except OSError:  # cross-device on old kernels, or a filesystem without support
+                use_kernel = False
+        if not use_kernel:
+            src.seek(offset + done)
+            chunk = src.read(step)
+            dst.write(chunk)
+            dst.flush()
+            n = len(chunk)
+        if n <= 0:
+            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
+        done += n
+        if progress is not None:
+            progress(n)
+
+
+class ZipWriter:
+    """Writes stored records with torch's alignment padding, zip64 where sizes need it."""
+
+    def __init__(self, f: BinaryIO, *, alignment: int = 64) -> None:
+        self.f = f
+        self.alignment = alignment
+        self.entries: list[tuple[bytes, int, int, int, int, int]] = []  # name, crc, csize, size, method, offset
+
+    def _header(self, name: bytes, crc: int, csize: int, size: int, method: int) -> None:
+        offset = self.f.tell()
+        zip64 = csize >= ZIP64_AT or size >= ZIP64_AT
+        extra = struct.pack("<HHQQ", 1, 16, size, csize) if zip64 else b""
+        # "FB" extra field padding so the data starts on an alignment boundary, as torch does.
+        pad = -(offset + _LOCAL.size + len(name) + len(extra) + 4) % self.alignment
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+        sizes = (_U32, _U32) if zip64 else (csize, size)
+        self.f.write(_LOCAL.pack(0x04034B50, 45 if zip64 else 20, 0, method, 0, 0x21, crc, *sizes, len(name), len(extra)))
+        self.f.write(name + extra)
+        self.entries.append((name, crc, csize, size, method, offset))
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        self._header(name.encode(), zlib.crc32(data), len(data), len(data), zipfile.ZIP_STORED)
+        self.f.write(data)
+
+    def add_copy(self, name: str, src: BinaryIO, rec: Record, progress: Progress | None = None) -> None:
+        """Copy a record's bytes from another zip, keeping its CRC and compression as they were."""
+        self._header(name.encode(), rec.crc, rec.compressed_size, rec.size, rec.method)
+        copy_range(src, self.f, rec.data_offset, rec.compressed_size, progress)
+
+    def add_range(self, name: str, src: BinaryIO, offset: int, length: int, crc: int, progress: Progress | None = None) -> None:
+        """Store ``length`` bytes of ``src`` from ``offset`` under a CRC the caller computed."""
+        self._header(name.encode(), crc, length, length, zipfile.ZIP_STORED)
+        copy_range(src, self.f, offset, length, progress)
+
+    def close(self) -> None:
+        self.f.flush()
+        start = self.f.tell()
+        for name, crc, csize, size, method, offset in self.entries:
+            big = [v for v in (size, csize, offset) if v >= ZIP64_AT]
+            extra = struct.pack("<HH", 1, 8 * len(big)) + b"".join(struct.pack("<Q", v) for v in big) if big else b""
+            self.f.write(
+                _CENTRAL.pack(
+                    0x02014B50, 45 if big else 20, 45 if big else 20, 0, method, 0, 0x21, crc,
+                    _U32 if csize >= ZIP64_AT else csize, _U32 if size >= ZIP64_AT else size,
+                    len(name), len(extra), 0, 0, 0, 0, _U32 if offset >= ZIP64_AT else offset,
+                )  # fmt: skip
+            )
+            self.f.write(name + extra)
+        end = self.f.tell()
+        count, cd_size = len(self.entries), end - start
+        if count >= 0xFFFF or start >= ZIP64_AT or cd_size >= ZIP64_AT:
+            self.f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start))
+            self.f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+        self.f.write(
+            struct.pack(
+                "<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
+                _U32 if cd_size >= ZIP64_AT else cd_size, _U32 if start >= ZIP64_AT else start, 0,
+            )  # fmt: skip
+        )
+
+
+def crc_of_range(src: BinaryIO, offset: int, length: int) -> int:
+    """CRC-32 of a byte range, read in bounded chunks."""
+    crc = 0
+    src.seek(offset)
+    left = length
+    while left:
+        chunk = src.read(min(_CHUNK, left))
+        if not chunk:
+            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + length - left}")
+        crc = zlib.crc32(chunk, crc)
+        left -= len(chunk)
+    return crc
+
+
+def record_names(prefix: str, keys: Iterable[str]) -> list[str]:
+    return [f"{prefix}data/{k}" for k in keys]

@@ -1,0 +1,275 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from click.testing import CliRunner
+
+import ckptkit
+from ckptkit._atomic import TMP_SUFFIX
+from ckptkit.cli import main
+from fixtures.models import TiedLM, TinyNet
+
+ALL_FIXTURES = ["plain.pt", "ddp.pt", "dp.pth", "compiled.pt", "compiled_of_ddp.pt", "ddp_of_compiled.pt",
+                "train_ckpt.pt", "legacy_ddp.pt", "ddp.safetensors", "cuda0_ddp.pt", "lightning.ckpt"]  # fmt: skip
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def reference(fixtures_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(fixtures_dir / "plain.pt", weights_only=True)
+
+
+def weights(path: Path, key: str | None = None) -> dict[str, torch.Tensor]:
+    obj = ckptkit.read_checkpoint(path)
+    return ckptkit.find_model_state(obj, key=key)[1]
+
+
+def no_temps(folder: Path) -> bool:
+    return not [p for p in folder.iterdir() if p.name.endswith(TMP_SUFFIX)]
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_convert_every_fixture_to_single(fixtures_dir: Path, tmp_path: Path, name: str, suffix: str) -> None:
+    dst = tmp_path / f"single{suffix}"
+    extra = ["--weights-only"] if name in ("train_ckpt.pt", "cuda0_ddp.pt", "lightning.ckpt") and suffix == ".safetensors" else []
+    if name == "lightning.ckpt":
+        extra += ["--strip", "model."]
+    code, out, err = run("convert", fixtures_dir / name, dst, *extra)
+    assert code == 0, err
+    assert out.startswith(f"{dst}: 9 tensors")
+    model = TinyNet()
+    model.load_state_dict(weights(dst), strict=True)  # plain keys, strictly
+    ref = reference(fixtures_dir)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    assert no_temps(tmp_path)
+
+
+def test_training_checkpoint_keeps_everything_but_the_names(fixtures_dir: Path, tmp_path: Path) -> None:
+    code, _, _ = run("convert", fixtures_dir / "train_ckpt.pt", tmp_path / "s.pt")
+    assert code == 0
+    before = torch.load(fixtures_dir / "train_ckpt.pt", weights_only=True)
+    after = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert list(after) == list(before)
+    assert (after["epoch"], after["step"], after["best_loss"]) == (2, 3, 1.25)
+    assert after["scheduler"] == before["scheduler"]
+    for i, st in before["optimizer"]["state"].items():
+        assert all(torch.equal(after["optimizer"]["state"][i][k], v) for k, v in st.items())
+    model = TinyNet()
+    model.load_state_dict(after["model"], strict=True)
+    opt = torch.optim.Adam(model.parameters())
+    opt.load_state_dict(after["optimizer"])  # still keyed by parameter index
+
+
+@pytest.mark.parametrize("mid", [".pt", ".safetensors"])
+@pytest.mark.parametrize("end", [".pt", ".safetensors"])
+def test_round_trip_ddp_single_ddp(fixtures_dir: Path, tmp_path: Path, mid: str, end: str) -> None:
+    single, back = tmp_path / f"single{mid}", tmp_path / f"ddp{end}"
+    assert run("convert", fixtures_dir / "ddp.pt", single)[0] == 0
+    assert run("convert", single, back, "--to", "ddp")[0] == 0
+    original = torch.load(fixtures_dir / "ddp.pt", weights_only=True)
+    again = weights(back)
+    assert list(again) == list(original)
+    assert all(torch.equal(again[k], v) for k, v in original.items())
+    nn.DataParallel(TinyNet()).load_state_dict(again, strict=True)
+
+
+def test_tied_weights_round_trip_through_safetensors(fixtures_dir: Path, tmp_path: Path) -> None:
+    assert run("convert", fixtures_dir / "tied_ddp.pt", tmp_path / "lm.safetensors")[0] == 0
+    assert run("convert", tmp_path / "lm.safetensors", tmp_path / "lm.pt")[0] == 0
+    sd = torch.load(tmp_path / "lm.pt", weights_only=True)
+    assert sd["head.weight"] is sd["embed.weight"]
+    lm = TiedLM()
+    lm.load_state_dict(sd, strict=True)
+    assert lm.head.weight is lm.embed.weight
+
+
+def test_dcp_folder_input(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = TinyNet()
+    dcp.save({"model": nn.DataParallel(model).state_dict(), "epoch": 4}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    code, _, err = run("convert", tmp_path / "dcp", tmp_path / "out.pt")
+    assert code == 0 and "loaded with torch" in err
+    restored = TinyNet()
+    restored.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True)["model"], strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values()))
+
+
+def test_json_report(fixtures_dir: Path, tmp_path: Path) -> None:
+    code, out, _ = run("convert", fixtures_dir / "ddp.pt", tmp_path / "s.pt", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["fast"] is True and report["renamed"] == 9
+    assert (report["prefix_before"], report["prefix_after"]) == ("module.", "")
+
+
+@pytest.mark.parametrize(
+    "args,code,message",
+    [
+        (["ddp.pt", "{tmp}/out.zzz"], 2, "unknown output suffix '.zzz'"),
+        (["ddp.pt", "{fx}/plain.pt"], 2, "exists; pass --force"),
+        (["ddp.pt", "{fx}/ddp.pt", "--force"], 2, "is the source file"),
+        (["nope.pt", "{tmp}/o.pt"], 1, "no such file"),
+        (["needs_trust.pt", "{tmp}/o.pt"], 1, "argparse.Namespace"),
+        (["train_ckpt.pt", "{tmp}/o.safetensors"], 2, "pass --weights-only"),
+        (["ddp.pt", "{tmp}/missing/o.pt"], 1, "does not exist; create the folder first"),
+        (["train_ckpt.pt", "{tmp}/o.pt", "--key", "ema"], 1, "no entry 'ema'"),
+    ],
+)
+def test_convert_errors_are_one_line_without_traceback(fixtures_dir: Path, tmp_path: Path, args: list[str], code: int, message: str) -> None:
+    resolved = [a.format(tmp=tmp_path, fx=fixtures_dir) if "{" in a else str(fixtures_dir / a) if i == 0 else a for i, a in enumerate(args)]
+    before = sorted(p.name for p in fixtures_dir.iterdir())
+    got, out, err = run("convert", *resolved)
+    assert got == code, err
+    assert out == ""
+    assert err.startswith("ckptkit: error: ") and message in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in fixtures_dir.iterdir()) == before  # nothing written next to the sources
+    assert no_temps(tmp_path) and not (tmp_path / "o.pt").exists()
+
+
+def test_force_replaces_atomically(fixtures_dir: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "o.pt"
+    dst.write_bytes(b"old")
+    assert run("convert", fixtures_dir / "ddp.pt", dst, "--force")[0] == 0
+    assert list(torch.load(dst, weights_only=True))[0] == "fc1.weight"
+
+
+def test_truncated_source_leaves_no_output(fixtures_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "cut.pt"
+    src.write_bytes((fixtures_dir / "ddp.pt").read_bytes()[:3000])
+    code, _, err = run("convert", src, tmp_path / "o.pt")
+    assert code == 1 and "cut.pt" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.pt"]
+
+
+def test_code_payload_never_runs_through_any_command(tmp_path: Path) -> None:
+    from tests.test_load import _Payload
+
+    marker = tmp_path / "PAYLOAD_RAN"
+    evil = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _Payload(marker)}, evil)
+    for args in (["convert", evil, tmp_path / "o.pt"], ["inspect", evil], ["verify", evil], ["diff", evil, evil]):
+        code, _, _ = run(*args)
+        assert code == 1, args
+    assert not marker.exists()
+    assert run("inspect", evil, "--trust")[0] == 0  # trusting it does run the payload: the check can fail
+    assert marker.exists()
+
+
+def test_fast_convert_and_inspect_never_import_torch(fixtures_dir: Path, tmp_path: Path) -> None:
+    script = (
+        "import sys\n"
+        "from ckptkit.cli import main\n"
+        f"for args in (['convert', {str(fixtures_dir / 'train_ckpt.pt')!r}, {str(tmp_path / 'a.pt')!r}],\n"
+        f"             ['convert', {str(fixtures_dir / 'ddp.pt')!r}, {str(tmp_path / 'b.safetensors')!r}],\n"
+        f"             ['convert', {str(tmp_path / 'b.safetensors')!r}, {str(tmp_path / 'c.pt')!r}],\n"
+        f"             ['inspect', {str(fixtures_dir / 'train_ckpt.pt')!r}], ['verify', {str(tmp_path / 'c.pt')!r}]):\n"
+        "    try:\n"
+        "        main(args, standalone_mode=False)\n"
+        "    except SystemExit as e:\n"
+        "        assert not e.code, e.code\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("torch imported: False")
+
+
+def test_inspect_text_and_json(fixtures_dir: Path) -> None:
+    code, out, _ = run("inspect", fixtures_dir / "train_ckpt.pt")
+    assert code == 0
+    assert "Weights at 'model': 9 tensors, 277 elements" in out
+    assert "Wrapper prefixes: module." in out and "module.fc1.weight" in out
+    code, out, _ = run("inspect", fixtures_dir / "compiled_of_ddp.pt", "--json")
+    data = json.loads(out)
+    assert data["prefixes"]["leading"] == ["_orig_mod.", "module."]
+    assert data["tensor_count"] == 9 and data["bytes_by_dtype"] == {"float32": 276 * 4, "int64": 8}
+    code, out, _ = run("inspect", fixtures_dir / "cuda0_ddp.pt", "--json")
+    assert json.loads(out)["devices"] == {"cuda:0": 9}
+
+
+def test_inspect_folds_layer_indices(tmp_path: Path) -> None:
+    sd = {f"layers.{i}.w": torch.zeros(2, 2) for i in range(12)} | {"head.w": torch.zeros(3)}
+    torch.save(sd, tmp_path / "deep.pt")
+    code, out, _ = run("inspect", tmp_path / "deep.pt")
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.strip().startswith("layers.*.w"))
+    assert line.split()[1:4] == ["12", "0-11", "[2,"]
+
+
+def test_diff_equal_across_formats_and_prefixes(fixtures_dir: Path, tmp_path: Path) -> None:
+    run("convert", fixtures_dir / "compiled_of_ddp.pt", tmp_path / "s.safetensors")
+    code, out, _ = run("diff", fixtures_dir / "ddp.pt", tmp_path / "s.safetensors")
+    assert code == 0 and out.startswith("same weights: 9 tensors compared")
+
+
+def test_diff_reports_values_shapes_and_missing(tmp_path: Path) -> None:
+    a = {"w": torch.zeros(3), "b": torch.ones(2), "gone": torch.ones(1)}
+    b = {"module.w": torch.tensor([0.0, 0.5, 0.0]), "module.b": torch.ones(3), "module.new": torch.ones(1)}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    code, out, _ = run("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["equal"] is False
+    assert (report["only_in_a"], report["only_in_b"]) == (["gone"], ["new"])
+    by_name = {d["name"]: d for d in report["differences"]}
+    assert by_name["w"]["max_abs_diff"] == 0.5 and by_name["b"]["reason"] == "shape"
+    assert run("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--atol", "0.6")[0] == 1  # shape/missing still differ
+
+
+def test_diff_tolerance(tmp_path: Path) -> None:
+    torch.save({"w": torch.tensor([1.0, 2.0])}, tmp_path / "a.pt")
+    torch.save({"w": torch.tensor([1.0, 2.001])}, tmp_path / "b.pt")
+    assert run("diff", tmp_path / "a.pt", tmp_path / "b.pt")[0] == 1
+    code, out, _ = run("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--atol", "0.01")
+    assert code == 0 and "within atol=0.01" in out
+
+
+def test_verify_detects_a_flipped_payload_bit(fixtures_dir: Path, tmp_path: Path) -> None:
+    data = bytearray((fixtures_dir / "ddp.pt").read_bytes())
+    z = ckptkit._torchzip.TorchZip(fixtures_dir / "ddp.pt")  # type: ignore[attr-defined]
+    rec = z.storage("0")
+    data[rec.data_offset + 5] ^= 0x10
+    (tmp_path / "flipped.pt").write_bytes(bytes(data))
+    assert run("verify", fixtures_dir / "ddp.pt")[0] == 0
+    code, out, _ = run("verify", tmp_path / "flipped.pt")
+    assert code == 1 and "FAIL CRC-32 of every record: damaged:" in out and "data/0" in out
+
+
+@pytest.mark.parametrize("name", ALL_FIXTURES + ["tied.safetensors", "tied_ddp.pt"])
+def test_verify_passes_every_fixture(fixtures_dir: Path, name: str) -> None:
+    code, out, _ = run("verify", fixtures_dir / name, "--json")
+    assert code == 0, out
+    assert json.loads(out)["ok"] is True
+
+
+def test_verify_dcp_missing_shard(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    assert run("verify", tmp_path / "d")[0] == 0
+    for shard in (tmp_path / "d").glob("*.distcp"):
+        shard.unlink()
+    code, out, _ = run("verify", tmp_path / "d")
+    assert code == 1 and "missing" in out
+
+
+def test_help_is_fast_to_import() -> None:
+    proc = subprocess.run([sys.executable, "-c", "import sys, ckptkit.cli; print('torch' in sys.modules, 'rich' in sys.modules)"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.stdout.strip() == "False False"
+
+
+def test_usage_errors_exit_2() -> None:
+    assert run("convert")[0] == 2
+    assert run("convert", "a.pt", "b.pt", "--to", "sideways")[0] == 2
