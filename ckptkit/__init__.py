@@ -58,6 +58,9 @@ _LAZY: dict[str, str] = {
     "DiffReport": "._diff",
     "verify_checkpoint": "._verify",
     "VerifyReport": "._verify",
+    "AsyncSaver": "._async",
+    "CheckpointFolder": "._folder",
+    "StopSignal": "._preempt",
 }
 
 __all__ = [
@@ -90,6 +93,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._async import AsyncSaver
+    from ._folder import CheckpointFolder
+    from ._preempt import StopSignal
     from ._convert import ConvertReport, convert_checkpoint
     from ._diff import DiffReport, diff_checkpoints
     from ._inspect import CheckpointSummary, inspect_checkpoint

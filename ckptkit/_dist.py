@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -20,8 +21,11 @@ from ._errors import DistributedError
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 1800.0
-# timeout -> (the default group it was made under, the control group)
-_control_groups: dict[float, tuple[Any, Any]] = {}
+# (timeout, channel) -> weak references to (the default group it was made under, the control group).
+# Weak, so destroy_process_group() really frees the groups while Python is alive: a gloo group
+# still alive at interpreter exit can abort the process (a worker thread freeing a finished
+# work needs the GIL during finalization; pytorch/pytorch#179291).
+_control_groups: dict[tuple[float, str], tuple[Any, Any]] = {}
 
 
 def is_distributed() -> bool:
@@ -48,17 +52,20 @@ def local_rank() -> int:
         return 0
 
 
-def _control_group(timeout_s: float) -> Any:
+def _control_group(timeout_s: float, channel: str = "main") -> Any:
     # new_group is itself a collective; callers are documented as "must be called on all ranks",
-    # so every rank creates the same groups in the same order.
+    # so every rank creates the same groups in the same order. A background thread (async
+    # saves) gets its own channel: two threads sharing one group would pair collectives wrongly.
     # A process may destroy its group and start a new one (a resume in the same process), which
     # destroys our subgroups too; holding the old WORLD keeps its id from being reused.
     world = dist.group.WORLD
-    cached = _control_groups.get(timeout_s)
-    if cached is not None and cached[0] is world:
-        return cached[1]
+    cached = _control_groups.get((timeout_s, channel))
+    if cached is not None and cached[0]() is world:
+        group = cached[1]()
+        if group is not None:
+            return group
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    _control_groups[timeout_s] = (world, group)
+    _control_groups[(timeout_s, channel)] = (weakref.ref(world), weakref.ref(group))
     return group
 
 
@@ -71,13 +78,15 @@ def _fail(what: str, e: BaseException, timeout_s: float) -> DistributedError:
     )
 
 
-def broadcast_object(obj: T, *, src: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "broadcast") -> T:
+def broadcast_object(
+    obj: T, *, src: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "broadcast", channel: str = "main"
+) -> T:
     """Return ``src``'s ``obj`` on every rank. Must be called on all ranks."""
     if not is_distributed():
         return obj
     box = [obj]
     try:
-        dist.broadcast_object_list(box, src=src, group=_control_group(timeout_s))
+        dist.broadcast_object_list(box, src=src, group=_control_group(timeout_s, channel))
     except RuntimeError as e:  # DistBackendError and timeouts are RuntimeErrors
         raise _fail(what, e, timeout_s) from e
     return box[0]
@@ -103,3 +112,23 @@ def barrier(*, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "barrier") -> N
         dist.barrier(group=_control_group(timeout_s))
     except RuntimeError as e:
         raise _fail(what, e, timeout_s) from e
+
+
+def any_true(flag: bool, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "any_true") -> bool:
+    """True on every rank if ``flag`` is True on any rank. Must be called on all ranks."""
+    if not is_distributed():
+        return flag
+    import torch
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    try:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_control_group(timeout_s))
+    except RuntimeError as e:
+        raise _fail(what, e, timeout_s) from e
+    return bool(value.item())
+
+
+def ensure_channel(timeout_s: float, channel: str) -> None:
+    """Create the control group for ``channel`` now (a collective; must be called on all ranks)."""
+    if is_distributed():
+        _control_group(timeout_s, channel)

@@ -68,7 +68,11 @@ def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _
     Example:
         >>> save_on_master(model.state_dict(), "ckpt/last.pt")  # doctest: +SKIP
     """
-    dest = Path(path)
+    write_and_agree(obj, Path(path), timeout=timeout, channel="main")
+
+
+def write_and_agree(obj: Any, dest: Path, *, timeout: float, channel: str) -> None:
+    """Rank 0 writes; every rank learns the outcome over the control group ``channel``."""
     failure: Exception | None = None
     status: tuple[str, str] | None = None
     if _dist.rank() == 0:
@@ -80,7 +84,7 @@ def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _
                 status = (type(e).__name__, str(e))
             else:
                 status = ("CheckpointWriteError", f"cannot save {dest}: {type(e).__name__}: {e}")
-    status = _dist.broadcast_object(status, timeout_s=timeout, what=f"save_on_master({dest})")
+    status = _dist.broadcast_object(status, timeout_s=timeout, what=f"save_on_master({dest})", channel=channel)
     if status is None:
         return
     if failure is not None:

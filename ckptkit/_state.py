@@ -105,6 +105,29 @@ def save_training_state(
         >>> save_training_state("ckpt/step_100.pt", model=ddp, optimizer=opt,  # doctest: +SKIP
         ...                     scheduler=sched, sampler=sampler, epoch=epoch, step=100)
     """
+    save_on_master(
+        build_training_state(
+            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
+            epoch=epoch, step=step, extra=extra, timeout=timeout,
+        ),  # fmt: skip
+        path,
+        timeout=timeout,
+    )
+
+
+def build_training_state(
+    *,
+    model: Any,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    sampler: Any = None,
+    epoch: int = 0,
+    step: int = 0,
+    extra: Mapping[str, Any] | None = None,
+    timeout: float = _dist.DEFAULT_TIMEOUT_S,
+) -> dict[str, Any] | None:
+    """The training-state dict on rank 0 (None elsewhere). Must be called on all ranks (RNG gather)."""
     import torch
 
     rng = _dist.all_gather_object(capture_rng_state(), timeout_s=timeout, what="save_training_state RNG gather")
@@ -129,7 +152,7 @@ def save_training_state(
             "rng": rng,
             "extra": dict(extra or {}),
         }
-    save_on_master(state, path, timeout=timeout)
+    return state
 
 
 @dataclass

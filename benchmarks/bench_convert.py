@@ -1,0 +1,177 @@
+"""Speed and memory of ``ckptkit convert`` / ``inspect`` against ``cp`` and the naive script.
+
+    python benchmarks/bench_convert.py                 # ~1 GiB checkpoint, median of 5
+    python benchmarks/bench_convert.py --gib 4 --runs 1 --only-memory
+
+Every figure is a whole process, timed in this run, with the page cache warm (each input is
+read once before timing). Memory is the peak of ``RssAnon`` from /proc/PID/status sampled
+every 2 ms: private memory only, because the file pages of a memory map are reclaimable
+and ``ru_maxrss`` would count them. ckptkit fsyncs what it writes (durability); ``cp`` does
+not, so the table also shows ``cp`` followed by ``sync FILE`` for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+NAIVE_PT = """
+import sys, torch
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+sd = {k.removeprefix("module."): v for k, v in sd.items()}
+torch.save(sd, sys.argv[2])
+"""
+NAIVE_ST = """
+import sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+save_file({k.removeprefix("module."): v.contiguous() for k, v in sd.items()}, sys.argv[2])
+"""
+NAIVE_ST_ST = """
+import sys
+from safetensors.torch import load_file, save_file
+sd = load_file(sys.argv[1])
+save_file({k.removeprefix("module."): v for k, v in sd.items()}, sys.argv[2])
+"""
+
+
+def make_checkpoint(folder: Path, gib: float) -> tuple[Path, Path]:
+    """A GPT-like DDP state dict (module. keys, fp32) of about ``gib`` GiB, as .pt and .safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    d, vocab, ff = 1024, 32000, 4096
+    per_layer = 4 * d * d + 2 * d * ff + 4 * d + ff + 5 * d
+    layers = max(1, round((gib * 2**30 / 4 - 2 * vocab * d) / per_layer))
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, torch.Tensor] = {"module.embed.weight": torch.randn(vocab, d, generator=g)}
+    for i in range(layers):
+        p = f"module.layers.{i}."
+        sd |= {
+            p + "ln1.weight": torch.ones(d), p + "ln1.bias": torch.zeros(d),
+            p + "attn.qkv.weight": torch.randn(3 * d, d, generator=g), p + "attn.qkv.bias": torch.zeros(3 * d),
+            p + "attn.proj.weight": torch.randn(d, d, generator=g), p + "attn.proj.bias": torch.zeros(d),
+            p + "ln2.weight": torch.ones(d), p + "ln2.bias": torch.zeros(d),
+            p + "mlp.up.weight": torch.randn(ff, d, generator=g), p + "mlp.up.bias": torch.zeros(ff),
+            p + "mlp.down.weight": torch.randn(d, ff, generator=g), p + "mlp.down.bias": torch.zeros(d),
+        }  # fmt: skip
+    sd |= {"module.ln_f.weight": torch.ones(d), "module.head.weight": torch.randn(vocab, d, generator=g)}
+    pt, st = folder / "ddp.pt", folder / "ddp.safetensors"
+    torch.save(sd, pt)
+    save_file(sd, st)
+    return pt, st
+
+
+def _rss_anon_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def run(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RssAnon (MiB) of one process."""
+    peak = 0
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def sample() -> None:
+        nonlocal peak
+        while proc.poll() is None:
+            peak = max(peak, _rss_anon_kb(proc.pid))
+            time.sleep(0.002)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    _, err = proc.communicate()
+    elapsed = time.perf_counter() - start
+    t.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {err.decode()[-2000:]}")
+    return elapsed, peak // 1024
+
+
+def measure(name: str, cmd: list[str], runs: int, out: Path | None) -> dict[str, float]:
+    times, mems = [], []
+    for _ in range(runs):
+        if out is not None and out.exists():
+            out.unlink()
+        os.sync()  # no dirty pages left over from the previous run to slow this one
+        t, m = run(cmd)
+        times.append(t)
+        mems.append(m)
+    return {"name": name, "median_s": statistics.median(times), "min_s": min(times), "rss_anon_mib": max(mems)}
+
+
+def warm(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
+    ap.add_argument("--only-memory", action="store_true", help="only the ckptkit converts (for big --gib)")
+    args = ap.parse_args()
+    scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-"))
+    try:
+        pt, st = make_checkpoint(scratch, args.gib)
+        size = pt.stat().st_size
+        for p in (pt, st):
+            warm(p)
+        ck = [sys.executable, "-m", "ckptkit.cli"]
+        o = scratch / "out"
+        rows = []
+        cases = [
+            ("cp ddp.pt", ["cp", str(pt), f"{o}.pt"], f"{o}.pt", "base_pt"),
+            ("cp ddp.pt && sync", ["sh", "-c", f"cp {pt} {o}.pt && sync {o}.pt"], f"{o}.pt", None),
+            ("ckptkit convert ddp.pt single.pt", [*ck, "convert", str(pt), f"{o}.pt"], f"{o}.pt", "pt"),
+            ("naive torch.load/save .pt", [sys.executable, "-c", NAIVE_PT, str(pt), f"{o}.pt"], f"{o}.pt", "naive_pt"),
+            ("cp ddp.safetensors", ["cp", str(st), f"{o}.safetensors"], f"{o}.safetensors", "base_st"),
+            ("ckptkit convert ddp.safetensors single.safetensors", [*ck, "convert", str(st), f"{o}.safetensors"], f"{o}.safetensors", "st"),
+            ("naive safetensors load/save", [sys.executable, "-c", NAIVE_ST_ST, str(st), f"{o}.safetensors"], f"{o}.safetensors", "naive_st"),
+            ("ckptkit convert ddp.pt single.safetensors", [*ck, "convert", str(pt), f"{o}.safetensors"], f"{o}.safetensors", "pt2st"),
+            ("naive torch.load -> save_file", [sys.executable, "-c", NAIVE_ST, str(pt), f"{o}.safetensors"], f"{o}.safetensors", "naive_pt2st"),
+            ("ckptkit inspect ddp.pt", [*ck, "inspect", str(pt)], None, None),
+            ("ckptkit --help", [*ck, "--help"], None, None),
+            ("ckptkit verify ddp.pt", [*ck, "verify", str(pt)], None, None),
+        ]
+        if args.only_memory:
+            cases = [c for c in cases if c[3] in ("base_pt", "pt", "st", "pt2st")]
+        found = {}
+        for name, cmd, out_path, tag in cases:
+            r = measure(name, cmd, args.runs, Path(out_path) if out_path else None)
+            rows.append((r, tag))
+            if tag:
+                found[tag] = r["median_s"]
+        print(f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes), {args.runs} run(s) each, median wall time\n")
+        print("| command | median s | x cp | x naive | peak RssAnon MiB |")
+        print("|---|---:|---:|---:|---:|")
+        base = {"pt": "base_pt", "naive_pt": "base_pt", "st": "base_st", "naive_st": "base_st", "pt2st": "base_pt", "naive_pt2st": "base_pt"}
+        naive = {"pt": "naive_pt", "st": "naive_st", "pt2st": "naive_pt2st"}
+        for r, tag in rows:
+            xcp = f"{r['median_s'] / found[base[tag]]:.2f}" if tag in base and base[tag] in found else ""
+            xnaive = f"{r['median_s'] / found[naive[tag]]:.2f}" if tag in naive and naive[tag] in found else ""
+            print(f"| {r['name']} | {r['median_s']:.3f} | {xcp} | {xnaive} | {r['rss_anon_mib']} |")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

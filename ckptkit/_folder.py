@@ -1,0 +1,88 @@
+"""A folder of step-numbered checkpoints: keep the last K, point at the latest, survive debris."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from . import _dist
+from ._atomic import atomic_write
+from ._errors import ArgumentError, CkptkitError
+
+
+class CheckpointFolder:
+    """Step-numbered checkpoints in one folder, with a ``latest`` pointer and pruning.
+
+    Files are ``step_000000120.pt``. :meth:`commit` (after a save has returned, or from an
+    :class:`AsyncSaver` ``on_done``) points ``latest`` at a complete file, atomically, and
+    removes all but the newest ``keep``. :meth:`latest` finds the newest checkpoint that
+    opens, whatever a crash left behind: temp files are never candidates, and a damaged file
+    is skipped for the one before it.
+
+    Example:
+        >>> ckpts = CheckpointFolder("runs/a/checkpoints", keep=3)  # doctest: +SKIP
+        >>> path = ckpts.path_for(step)  # doctest: +SKIP
+        >>> save_training_state(path, model=ddp, ...); ckpts.commit(path)  # doctest: +SKIP
+    """
+
+    POINTER = "latest"
+
+    def __init__(self, folder: str | os.PathLike[str], *, keep: int | None = 3, suffix: str = ".pt") -> None:
+        if keep is not None and keep < 1:
+            raise ArgumentError(f"keep must be at least 1 (or None for all), got {keep}")
+        self.folder = Path(folder)
+        self.keep = keep
+        self.suffix = suffix
+        self._pattern = re.compile(rf"^step_(\d+){re.escape(suffix)}$")
+
+    def path_for(self, step: int) -> Path:
+        return self.folder / f"step_{step:09d}{self.suffix}"
+
+    def step_of(self, path: str | os.PathLike[str]) -> int | None:
+        m = self._pattern.match(Path(path).name)
+        return int(m[1]) if m else None
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoint files, oldest first (temp files never match)."""
+        if not self.folder.is_dir():
+            return []
+        found = [(self.step_of(p), p) for p in self.folder.iterdir() if self.step_of(p) is not None]
+        return [p for _, p in sorted(found)]
+
+    def commit(self, path: str | os.PathLike[str]) -> None:
+        """Point ``latest`` at ``path`` and prune. Any rank may call it; only global rank 0 acts."""
+        if _dist.rank() != 0:
+            return
+        name = Path(path).name
+        with atomic_write(self.folder / self.POINTER) as f:
+            f.write(f"{name}\n".encode())
+        if self.keep is not None:
+            for old in self.checkpoints()[: -self.keep]:
+                if old.name != name:
+                    old.unlink(missing_ok=True)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint that opens, or None. Must be called on all ranks: rank 0
+        decides and every rank gets its answer, so no two ranks resume from different files."""
+        choice = self._find() if _dist.rank() == 0 else None
+        answer = _dist.broadcast_object(str(choice) if choice else None, what="CheckpointFolder.latest")
+        return Path(answer) if answer else None
+
+    def _find(self) -> Path | None:
+        from ._torchzip import TorchZip
+
+        pointer = self.folder / self.POINTER
+        candidates = list(reversed(self.checkpoints()))
+        if pointer.is_file():
+            named = self.folder / pointer.read_text().strip()
+            if named in candidates:  # the pointer names the newest committed one; try it first
+                candidates.remove(named)
+                candidates.insert(0, named)
+        for path in candidates:
+            try:
+                TorchZip(path)  # central directory and local headers readable: not torn
+            except (CkptkitError, OSError):
+                continue
+            return path
+        return None
