@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _dist
-from ._errors import ResumeError
+from ._errors import ArgumentError, ResumeError
 from ._load import MapLocation, load_into_model, read_checkpoint
 from ._rng import capture_rng_state, restore_rng_state
 from ._save import save_on_master
@@ -115,21 +115,15 @@ def save_training_state(
     )
 
 
-def build_training_state(
-    *,
-    model: Any,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    sampler: Any = None,
-    epoch: int = 0,
-    step: int = 0,
-    extra: Mapping[str, Any] | None = None,
-    timeout: float = _dist.DEFAULT_TIMEOUT_S,
-) -> dict[str, Any] | None:
+def build_training_state(*, timeout: float = _dist.DEFAULT_TIMEOUT_S, **parts: Any) -> dict[str, Any] | None:
     """The training-state dict on rank 0 (None elsewhere). Must be called on all ranks (RNG gather)."""
     import torch
 
+    unknown = set(parts) - {"model", "optimizer", "scheduler", "scaler", "sampler", "epoch", "step", "extra"}
+    if unknown or "model" not in parts:
+        raise ArgumentError(f"training state takes model= and optimizer/scheduler/scaler/sampler/epoch/step/extra, not {sorted(unknown)}")
+    model, optimizer, scheduler = parts["model"], parts.get("optimizer"), parts.get("scheduler")
+    scaler, sampler, extra = parts.get("scaler"), parts.get("sampler"), parts.get("extra")
     rng = _dist.all_gather_object(capture_rng_state(), timeout_s=timeout, what="save_training_state RNG gather")
     state = None
     if _dist.rank() == 0:
@@ -147,8 +141,8 @@ def build_training_state(
             "scheduler": _states(scheduler),
             "scaler": None if scaler is None else scaler.state_dict(),
             "sampler": None if sampler is None else sampler.state_dict(),
-            "epoch": int(epoch),
-            "step": int(step),
+            "epoch": int(parts.get("epoch", 0)),
+            "step": int(parts.get("step", 0)),
             "rng": rng,
             "extra": dict(extra or {}),
         }

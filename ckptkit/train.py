@@ -195,7 +195,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     out = Path(cfg.out)
     if master:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-    log = _Logger(out / "metrics.jsonl", enabled=master)
+    log = _Logger(out / "metrics.jsonl", enabled=master, progress=master and sys.stdout.isatty())
 
     # -- seeds: one model initialisation everywhere, one RNG stream per rank (dropout)
     torch.manual_seed(cfg.seed)
@@ -215,6 +215,8 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
 
     # -- model, optimizer, schedule, mixed precision
     model.to(device)
+    if cfg.sync_bn and device.type != "cuda":
+        raise SystemExit("ckptkit.train: --sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs only)")
     if cfg.sync_bn and distributed:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else model
@@ -234,6 +236,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
         horizon[0] = _planned_steps(cfg, len(train_set), world, step, epoch, sampler.position)
         log.event("resumed", step=step, epoch=epoch, path=str(resume_path), sample=sampler.position,
                   saved_world_size=state.world_size, world_size=world)  # fmt: skip
+    log.start_bar(total=horizon[0], done=step)
     saver = ckptkit.AsyncSaver() if cfg.async_save else None
     stop = ckptkit.StopSignal()
     last_saved = step if resume_path is not None else -1
@@ -285,6 +288,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
             scaler.update()
             sched.step()
             step += 1
+            log.advance(epoch)
             if step % cfg.log_every == 0 or step == horizon[0]:
                 tick = _log_train(log, dist if distributed else None, loss_sum, seen, step, epoch, sched, tick, world)
                 loss_sum.zero_()
@@ -355,29 +359,54 @@ def _evaluate(net: Any, loader: Any, device: Any, dist: Any, log: _Logger, step:
 
 
 class _Logger:
-    """Rank 0 only: JSON lines to metrics.jsonl, and a readable line on stdout."""
+    """Rank 0 only: JSON lines to metrics.jsonl, readable lines on stdout, and a rich
+    progress bar when stdout is a terminal."""
 
-    def __init__(self, path: Path, *, enabled: bool) -> None:
+    def __init__(self, path: Path, *, enabled: bool, progress: bool = False) -> None:
         self.enabled = enabled
         self.file = open(path, "a", buffering=1) if enabled else None  # line-buffered: a crash loses no line
+        self.bar: Any = None
+        self.task: Any = None
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+            self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), transient=True)  # fmt: skip
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.file is not None:
             self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
 
+    def _print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text, highlight=False, markup=False)  # above the bar; "[end]" is text
+        else:
+            print(text, flush=True)
+
+    def start_bar(self, total: int, done: int) -> None:
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task("training", total=total, completed=done)
+
+    def advance(self, epoch: int) -> None:
+        if self.task is not None:
+            self.bar.update(self.task, advance=1, description=f"epoch {epoch}")
+
     def metric(self, **values: Any) -> None:
         if self.enabled:
             self._write(values)
-            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()), flush=True)
+            self._print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()))
 
     def event(self, name: str, **values: Any) -> None:
         if self.enabled:
             self._write({"event": name, **values})
             if name != "save":
                 shown = {k: v for k, v in values.items() if k != "config"}
-                print(f"[{name}] " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+                self._print(f"[{name}] " + " ".join(f"{k}={v}" for k, v in shown.items()))
 
     def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
         if self.file is not None:
             self.file.close()
 

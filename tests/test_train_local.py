@@ -1,0 +1,83 @@
+"""The trainer as one plain process: Python entry point, --resume PATH/none, --accum, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import TensorDataset
+
+from tests.conftest import ROOT
+
+SMALL = ["--data", "tests.train_data:small", "--batch-size", "32", "--log-every", "1", "--warmup-steps", "2"]
+
+
+def run(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptkit.train", "--out", str(out), *SMALL, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def events(out: Path, name: str) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == name]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return list(wa) == list(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_python_entry_point_with_my_model_and_data(tmp_path: Path) -> None:
+    from fixtures.models import TinyNet
+
+    from ckptkit.train import TrainConfig, train
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    data = TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
+    result = train(TrainConfig(out=str(tmp_path), epochs=3, batch_size=32, save_every=4, log_every=100), model=TinyNet(), data=(data, data))
+    assert (result["status"], result["step"], result["epoch"]) == ("done", 24, 3)
+    model = TinyNet()
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000000024.pt"
+
+
+def test_resume_from_a_path_with_gradient_accumulation_is_exact(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    opts = ["--accum", "2", "--epochs", "2", "--save-every", "3", "--keep", "100"]
+    assert run(straight, *opts).returncode == 0
+    middle = straight / "checkpoints" / "step_000000006.pt"  # mid-epoch: 8 steps of 2 micro-batches per epoch
+    assert torch.load(middle, weights_only=True)["sampler"]["position"] == 6 * 2 * 32
+    proc = run(resumed, *opts, "--resume", str(middle))
+    assert proc.returncode == 0, proc.stderr
+    assert events(resumed, "resumed")[0]["step"] == 6
+    assert same_weights(straight, resumed)
+
+
+def test_resume_none_starts_over(tmp_path: Path) -> None:
+    assert run(tmp_path, "--max-steps", "8").returncode == 0
+    first = load_file(tmp_path / "model.safetensors")
+    assert run(tmp_path, "--max-steps", "8", "--resume", "none").returncode == 0
+    assert not events(tmp_path, "resumed")
+    assert len(events(tmp_path, "start")) == 2
+    again = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(first[k], again[k]) for k in first)  # same seed, same options, same run
+
+
+def test_resume_auto_after_completion_does_nothing_more(tmp_path: Path) -> None:
+    assert run(tmp_path, "--max-steps", "8").returncode == 0
+    assert run(tmp_path, "--max-steps", "8").returncode == 0
+    assert events(tmp_path, "resumed")[0]["step"] == 8
+    assert events(tmp_path, "end")[-1]["step"] == 8
+
+
+def test_sync_bn_without_cuda_is_a_clear_error(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("CUDA present: --sync-bn is valid here")
+    proc = run(tmp_path, "--sync-bn", "--max-steps", "2")
+    assert proc.returncode != 0 and "--sync-bn needs CUDA" in proc.stderr
