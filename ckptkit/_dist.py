@@ -9,8 +9,10 @@ messages go over a dedicated gloo group with its own timeout, whatever the train
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import pickle
 import weakref
 from typing import Any, TypeVar
 
@@ -78,30 +80,64 @@ def _fail(what: str, e: BaseException, timeout_s: float) -> DistributedError:
     )
 
 
+# torch's broadcast_object_list/all_gather_object read tensors back with .numpy(), and numpy
+# is not a torch dependency: on a machine without it every object collective fails. These
+# move pickled bytes in uint8 tensors and read them back through a buffer view instead.
+# Peers are ranks of the same job, so unpickling their messages is as trusted as torch's own.
+
+
+def _to_tensor(obj: Any) -> Any:
+    import torch
+
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _from_tensor(t: Any, size: int) -> Any:
+    raw = bytes(memoryview((ctypes.c_ubyte * size).from_address(t.data_ptr()))) if size else b""
+    return pickle.loads(raw)
+
+
 def broadcast_object(
     obj: T, *, src: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "broadcast", channel: str = "main"
 ) -> T:
     """Return ``src``'s ``obj`` on every rank. Must be called on all ranks."""
     if not is_distributed():
         return obj
-    box = [obj]
+    import torch
+
     try:
-        dist.broadcast_object_list(box, src=src, group=_control_group(timeout_s, channel))
+        group = _control_group(timeout_s, channel)
+        payload = _to_tensor(obj) if rank() == src else None
+        size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=group)
+        if payload is None:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=src, group=group)
     except RuntimeError as e:  # DistBackendError and timeouts are RuntimeErrors
         raise _fail(what, e, timeout_s) from e
-    return box[0]
+    return obj if rank() == src else _from_tensor(payload, int(size.item()))
 
 
 def all_gather_object(obj: T, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "all_gather") -> list[T]:
     """Return every rank's ``obj``, indexed by rank. Must be called on all ranks."""
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * world_size()
+    import torch
+
+    mine = _to_tensor(obj)
     try:
-        dist.all_gather_object(out, obj, group=_control_group(timeout_s))
+        group = _control_group(timeout_s)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
+        dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size())]
+        dist.all_gather(parts, padded, group=group)
     except RuntimeError as e:
         raise _fail(what, e, timeout_s) from e
-    return out
+    return [_from_tensor(p, int(s.item())) for p, s in zip(parts, sizes)]
 
 
 def barrier(*, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "barrier") -> None:
@@ -128,7 +164,10 @@ def any_true(flag: bool, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "a
     return bool(value.item())
 
 
-def ensure_channel(timeout_s: float, channel: str) -> None:
+def ensure_channel(timeout_s: float, channel: str, *, what: str = "control group set-up") -> None:
     """Create the control group for ``channel`` now (a collective; must be called on all ranks)."""
     if is_distributed():
-        _control_group(timeout_s, channel)
+        try:
+            _control_group(timeout_s, channel)
+        except RuntimeError as e:
+            raise _fail(what, e, timeout_s) from e

@@ -73,6 +73,9 @@ def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _
 
 def write_and_agree(obj: Any, dest: Path, *, timeout: float, channel: str) -> None:
     """Rank 0 writes; every rank learns the outcome over the control group ``channel``."""
+    # The group exists before rank 0 starts writing, so if rank 0 dies mid-write the others
+    # see gloo's closed connection at once instead of waiting out a rendezvous timeout.
+    _dist.ensure_channel(timeout, channel, what=f"save_on_master({dest})")
     failure: Exception | None = None
     status: tuple[str, str] | None = None
     if _dist.rank() == 0:
