@@ -233,11 +233,15 @@ def test_async_save_gives_identical_checkpoints(straight: Path, tmp_path: Path) 
 def test_ckptkit_train_command_launches_torchrun(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "train", "--nproc", "2", "--out", str(tmp_path), *COMMON,
-                           "--max-steps", "6"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+                           "--max-steps", "6", "--accum", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     start = [r for r in records(tmp_path) if r.get("event") == "start"][0]
     assert start["world_size"] == 2 and start["backend"] == "gloo"
     assert (tmp_path / "model.safetensors").exists()
+    # --accum 2 under DDP (no_sync on the first micro-batch): a step takes 2 x 32 samples on each
+    # of 2 ranks, so 4 steps fill the 512-sample epoch and step 6 is 2 steps into epoch 1.
+    last = torch.load(tmp_path / "checkpoints" / "step_000000006.pt", weights_only=True)
+    assert (last["sampler"]["epoch"], last["sampler"]["position"]) == (1, 2 * 2 * 32 * 2)
 
 
 def test_runs_without_numpy(tmp_path: Path) -> None:
