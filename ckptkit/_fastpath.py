@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 from . import _lazy_pickle as lp
 from ._errors import ArgumentError, CheckpointFormatError, summarize
 from ._formats import SAFETENSORS, ZIP
-from ._safetensors import ALIASES_KEY, encode_header, header_bytes, read_header
+from ._safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, read_header, write_with_crcs
 from ._torchzip import Progress, TorchZip, ZipWriter, copy_range, crc_of_range
 
 _ST_TO_STORAGE = {st: name for name, (_, _, st) in lp.STORAGE_TYPES.items() if st}
@@ -33,12 +33,13 @@ class NeedsTorch(Exception):
 
 @dataclass(eq=False)  # identity matters: aliases are the same object
 class StRef:
-    """A tensor in a safetensors file: dtype, shape and absolute byte range."""
+    """A tensor in a safetensors file: dtype, shape, absolute byte range, recorded CRC-32."""
 
     dtype: str
     shape: tuple[int, ...]
     start: int
     length: int
+    crc: int | None = None
 
 
 @dataclass
@@ -66,8 +67,10 @@ def open_source(path: Path, fmt: str) -> Source:
         with open(path, "rb") as f:
             header, start = read_header(f, source=str(path))
         meta = dict(header.pop("__metadata__", None) or {})
+        crcs = _recorded_crcs(meta, path)
         obj: OrderedDict[str, Any] = OrderedDict(
-            (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0]))
+            (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0],
+                         e["data_offsets"][1] - e["data_offsets"][0], crcs.get(name)))  # fmt: skip
             for name, e in header.items()
         )
         aliases = _aliases(meta, obj, path)
@@ -77,6 +80,15 @@ def open_source(path: Path, fmt: str) -> Source:
             obj = OrderedDict(items)
         return Source(path, fmt, obj, metadata=meta, data_start=start)
     raise NeedsTorch(f"{fmt} input")
+
+
+def _recorded_crcs(meta: Mapping[str, str], path: Path) -> dict[str, int]:
+    import json
+
+    try:
+        return {k: int(v, 16) for k, v in json.loads(meta.get(CRC_KEY, "{}")).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointFormatError(f"{path}: metadata {CRC_KEY} is malformed ({e})") from e
 
 
 def _aliases(meta: Mapping[str, str], obj: Mapping[str, Any], path: Path) -> list[tuple[int, str, str]]:
@@ -93,10 +105,10 @@ def _aliases(meta: Mapping[str, str], obj: Mapping[str, Any], path: Path) -> lis
     return placed
 
 
-def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int, int, Any]:
-    """``(safetensors dtype, shape, absolute offset, length, identity)`` of a leaf's bytes."""
+def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int, int, Any, int | None]:
+    """``(safetensors dtype, shape, absolute offset, length, identity, known CRC-32)`` of a leaf's bytes."""
     if isinstance(ref, StRef):
-        return ref.dtype, ref.shape, ref.start, ref.length, ref
+        return ref.dtype, ref.shape, ref.start, ref.length, ref, ref.crc
     t = lp.tensor_of(ref)
     if t is None or src.zip is None:
         raise NeedsTorch(f"{name} is not a plain tensor")
@@ -111,7 +123,8 @@ def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int
     start, length = t.byte_range()
     if start < 0 or start + length > rec.size:
         raise CheckpointFormatError(f"{src.path}: tensor {name} reaches past the end of its storage record")
-    return st, t.shape, rec.data_offset + start, length, (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
+    known = rec.crc if start == 0 and length == rec.size else None  # the zip's CRC covers exactly these bytes
+    return st, t.shape, rec.data_offset + start, length, (t.storage.key, t.offset, t.shape, t.stride, t.dtype), known
 
 
 def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
@@ -122,24 +135,29 @@ def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progre
     entries, copies, aliases, first = [], [], {}, {}
     position = {k: i for i, k in enumerate(state)}
     for name, ref in state.items():
-        st, shape, offset, length, ident = _locate(src, ref, name)
+        st, shape, offset, length, ident, known = _locate(src, ref, name)
         if ident in first and length:
             aliases[name] = [first[ident], position[name]]
             continue
         first[ident] = name
         entries.append((name, st, list(shape), length))
-        copies.append((offset, length))
+        copies.append((name, offset, length, known))
     meta = dict(src.metadata or {}) if src.fmt == SAFETENSORS else {"format": "pt"}
     meta.pop(ALIASES_KEY, None)
+    meta.pop(CRC_KEY, None)
     if aliases:
         import json
 
         meta[ALIASES_KEY] = json.dumps(aliases)
-    f.write(header_bytes(entries, meta))
     with open(src.path, "rb") as fs:
-        for offset, length in copies:
-            copy_range(fs, f, offset, length, progress)
-    return sum(length for _, length in copies)
+
+        def write_data(crcs: dict[str, int]) -> None:
+            for name, offset, length, known in copies:
+                crcs[name] = known if known is not None else crc_of_range(fs, offset, length)
+                copy_range(fs, f, offset, length, progress)
+
+        write_with_crcs(f, entries, meta, write_data)
+    return sum(c[2] for c in copies)
 
 
 def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
@@ -154,11 +172,14 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
         named[id(ref)] = name
         begin = ref.start - src.data_start
         header[name] = {"dtype": ref.dtype, "shape": list(ref.shape), "data_offsets": [begin, begin + ref.length]}
-    meta = {k: v for k, v in (src.metadata or {}).items() if k != ALIASES_KEY}
+    meta = {k: v for k, v in (src.metadata or {}).items() if k not in (ALIASES_KEY, CRC_KEY)}
     if aliases:
         import json
 
         meta[ALIASES_KEY] = json.dumps(aliases)
+    kept = [state[name] for name in header]
+    if kept and all(r.crc is not None for r in kept):  # the bytes do not change: their CRCs carry over
+        meta[CRC_KEY] = crc_metadata(header, {n: state[n].crc for n in header})
     out = {"__metadata__": meta, **header} if meta else header
     f.write(encode_header(out))
     size = src.path.stat().st_size - src.data_start
@@ -194,7 +215,7 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
     rebuild_v3 = lp.Global("torch._utils", "_rebuild_tensor_v3")
     untyped = lp.Global("torch.storage", "UntypedStorage")
     made: dict[int, lp.TensorRef] = {}
-    ranges: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, int | None]] = []
 
     def to_tensor(ref: StRef) -> lp.TensorRef:
         if id(ref) in made:
@@ -208,7 +229,7 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
         else:
             storage = lp.StorageRef(("storage", untyped, key, "cpu", ref.length))
             t = lp.TensorRef(rebuild_v3, (storage, 0, ref.shape, stride, False, hooks, lp.Global("torch", _ST_TO_DTYPE[ref.dtype])))
-        ranges.append((ref.start, ref.length))
+        ranges.append((ref.start, ref.length, ref.crc))
         made[id(ref)] = t
         return t
 
@@ -223,11 +244,12 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
         w.add_bytes(name, payload)
     digest = hashlib.sha1(data)
     with open(src.path, "rb") as fs:
-        for i, (offset, length) in enumerate(ranges):
-            crc = crc_of_range(fs, offset, length)  # zip records carry a CRC-32: one read to get it
+        for i, (offset, length, known) in enumerate(ranges):
+            # Zip records carry a CRC-32: the recorded one if the source has it, else one read.
+            crc = known if known is not None else crc_of_range(fs, offset, length)
             digest.update(crc.to_bytes(4, "little"))
             w.add_range(f"{prefix}data/{i}", fs, offset, length, crc, progress)
     w.add_bytes(f"{prefix}version", b"3\n")
     w.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
     w.close()
-    return sum(length for _, length in ranges)
+    return sum(r[1] for r in ranges)

@@ -103,8 +103,12 @@ def read_checkpoint(
     if map_location is None:
         map_location = _restore_to(device_for_rank())
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": not trust}
-    if fmt == ZIP and mmap:
-        kwargs["mmap"] = True
+    if fmt == ZIP:
+        from ._torchzip import TorchZip
+
+        TorchZip(source)  # records within the file: a lying zip directory cannot drive torch's allocations
+        if mmap:
+            kwargs["mmap"] = True
     try:
         if allow_globals and not trust:
             with torch.serialization.safe_globals(list(allow_globals)):
@@ -208,6 +212,7 @@ def load_for_rank(
     allow_globals: Sequence[Any] = (),
     wrappers: Iterable[str] = WRAPPER_PREFIXES,
     mmap: bool = True,
+    verify: bool = False,
 ) -> Any:
     """Load a checkpoint onto this process's device, and optionally into ``model``.
 
@@ -230,6 +235,8 @@ def load_for_rank(
             ``[argparse.Namespace]``.
         wrappers: wrapper prefixes to adapt; add ``"model."`` for Lightning checkpoints.
         mmap: memory-map zip checkpoints instead of reading them into memory.
+        verify: check integrity first (every zip CRC-32, ckptkit's safetensors CRCs, bounds):
+            reads the whole file once; torch.load itself checks no CRC.
 
     Returns:
         The whole checkpoint object (so a training checkpoint's other entries are at hand).
@@ -243,6 +250,15 @@ def load_for_rank(
         >>> optimizer.load_state_dict(ckpt["optimizer"])  # doctest: +SKIP
     """
     source = os.fspath(path)
+    if verify:
+        from ._verify import verify_checkpoint
+
+        report = verify_checkpoint(source)
+        failed = [f"{c['check']}: {c['detail']}" for c in report.checks if not c["ok"]]
+        # "safe to load" is the loader's own decision (trust / allow_globals), not damage.
+        damage = [f for f in failed if not f.startswith("safe to load")]
+        if damage:
+            raise CheckpointFormatError(f"{source}: failed verification: {'; '.join(damage)}")
     obj = read_checkpoint(source, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
     if model is not None:
         _, state_dict = find_model_state(obj, key=key, source=source)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import zlib
 import math
 import os
 import struct
@@ -31,6 +32,38 @@ DTYPE_SIZES: dict[str, int] = {
 }  # fmt: skip
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 ALIASES_KEY = "ckptkit.aliases"
+CRC_KEY = "ckptkit.crc32"  # {tensor name: CRC-32 of its bytes, 8 hex digits}: lets verify see bit flips
+_CRC_PLACEHOLDER = "00000000"
+
+
+def crc_metadata(names: Iterable[str], crcs: Mapping[str, int] | None = None) -> str:
+    """The CRC_KEY value; with ``crcs`` missing it is a same-length placeholder to patch later."""
+    return json.dumps({n: f"{crcs[n]:08x}" if crcs is not None else _CRC_PLACEHOLDER for n in names})
+
+
+def write_with_crcs(
+    f: BinaryIO, entries: list[tuple[str, str, list[int], int]], meta: dict[str, str], write_data: Any
+) -> None:
+    """Write header + data, then patch the header's CRC placeholders in place.
+
+    ``write_data(crcs)`` writes every tensor's bytes in ``entries`` order and fills
+    ``crcs[name]``. The placeholders have the same width as the CRCs, so the header's length
+    (and every data offset) is unchanged by the patch.
+    """
+    names = [e[0] for e in entries]
+    meta = {**meta, CRC_KEY: crc_metadata(names)}
+    start = f.tell()
+    first = header_bytes(entries, meta)
+    f.write(first)
+    crcs: dict[str, int] = {}
+    write_data(crcs)
+    final = header_bytes(entries, {**meta, CRC_KEY: crc_metadata(names, crcs)})
+    if len(final) != len(first):  # cannot happen: same keys, same widths
+        raise CheckpointFormatError("internal error: safetensors header changed length while patching CRCs")
+    end = f.tell()
+    f.seek(start)
+    f.write(final)
+    f.seek(end)
 MAGIC_HINT = "safetensors"
 
 
@@ -193,13 +226,19 @@ def save_tensors(f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[s
         # {alias: [target, position in the original order]} so loading restores order too.
         position = {k: i for i, k in enumerate(state_dict)}
         meta[ALIASES_KEY] = json.dumps({a: [t, position[a]] for a, t in aliases.items()})
-    f.write(header_bytes(((k, names[v.dtype], list(v.shape), v.numel() * v.element_size()) for k, v in keep), meta))
-    for _, t in keep:
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        t = t.contiguous()
-        f.write(_raw(t))  # t stays referenced until the write returns
+    entries = [(k, names[v.dtype], list(v.shape), v.numel() * v.element_size()) for k, v in keep]
+
+    def write_data(crcs: dict[str, int]) -> None:
+        for name, t in keep:
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            t = t.contiguous()
+            raw = _raw(t)  # t stays referenced until the write returns
+            crcs[name] = zlib.crc32(raw)
+            f.write(raw)
+
+    write_with_crcs(f, entries, meta, write_data)
 
 
 def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[OrderedDict[str, Any], dict[str, str]]:
