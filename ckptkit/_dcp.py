@@ -15,8 +15,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ._errors import CheckpointFormatError, CkptkitError, UnsafeCheckpointError, summarize
-from ._formats import filter_unsafe, pickle_globals
+from ._errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, summarize
+from ._formats import ClampedReader, filter_unsafe, pickle_globals
 from ._lazy_pickle import DTYPES
 
 _DCP_CLASSES = ("torch.distributed.checkpoint.metadata.", "torch.distributed.checkpoint.filesystem._StorageInfo")
@@ -38,7 +38,7 @@ def metadata_globals(path: str | os.PathLike[str]) -> list[str]:
     """The globals a DCP folder's ``.metadata`` pickle names, in first-use order."""
     meta = Path(path) / ".metadata"
     with open(meta, "rb") as f:
-        return list(dict.fromkeys(pickle_globals(f)))
+        return list(dict.fromkeys(pickle_globals(ClampedReader(f))))  # type: ignore[arg-type]
 
 
 def read_dcp(path: str | os.PathLike[str], *, trust: bool = False) -> dict[str, Any]:
@@ -87,13 +87,15 @@ def read_dcp(path: str | os.PathLike[str], *, trust: bool = False) -> dict[str, 
     state: dict[str, Any] = {}
     try:
         _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_Planner(), no_dist=True)
+    except CkptkitError:
+        raise
     except CheckpointException as e:  # a BaseException: DCP wraps each rank's failure in it
         cause = _first_failure(e)
         if isinstance(cause, CkptkitError):
             raise cause from e
         what = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown failure"
         raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {what}") from e
-    except (OSError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError, EOFError) as e:
+    except (pickle.UnpicklingError, *PARSE_ERRORS) as e:
         raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {type(e).__name__}: {e}") from e
     return state
 

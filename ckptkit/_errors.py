@@ -8,6 +8,8 @@ found, and the fix. This module imports nothing heavy: the CLI uses it before to
 
 from __future__ import annotations
 
+import struct
+import zipfile
 from collections.abc import Sequence
 
 
@@ -84,6 +86,16 @@ class DistributedError(CkptkitError, RuntimeError):
 
 class ResumeError(CkptkitError, ValueError):
     """A training checkpoint cannot restore the objects it was given."""
+
+
+# What third-party parsers (zipfile, pickle, struct, json, torch's loaders) raise on damaged or
+# hostile bytes. Parser boundaries turn exactly these into CheckpointFormatError. MemoryError is
+# deliberately absent: with bounded reads it would mean a bug here, not a bad file.
+PARSE_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, EOFError, IndexError, KeyError, TypeError, AttributeError, OverflowError,
+    NotImplementedError, RuntimeError, RecursionError, struct.error, zipfile.BadZipFile,
+    zipfile.LargeZipFile, OSError, AssertionError,  # torch's legacy loader asserts on file content
+)  # fmt: skip
 
 
 def summarize(items: Sequence[str], limit: int = 6) -> str:

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ._errors import CheckpointFormatError, CheckpointNotFoundError
+from ._errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError
 
 ZIP, LEGACY, SAFETENSORS, DCP = "torch-zip", "torch-legacy", "safetensors", "dcp"
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # pickle of 0x1950a86a20f9469cfc6c
@@ -24,6 +24,40 @@ _STRING_OPS = frozenset(
     {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
 )
 _MARK = object()
+
+
+class ClampedReader:
+    """A read-only file view whose reads never ask for more than is left.
+
+    ``file.read(n)`` allocates ``n`` bytes before reading, so a pickle length field flipped to
+    2**40 would ask for a terabyte; every pickle read from a file goes through this instead.
+    """
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._end = os.fstat(f.fileno()).st_size
+
+    def _left(self, n: int | None) -> int:
+        left = max(0, self._end - self._f.tell())
+        return left if n is None or n < 0 else min(n, left)
+
+    def read(self, n: int | None = -1) -> bytes:
+        return self._f.read(self._left(n))
+
+    def readline(self, limit: int | None = -1) -> bytes:
+        return self._f.readline(self._left(limit))
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf)
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
 
 
 def check_exists(path: str | os.PathLike[str]) -> Path:
@@ -104,8 +138,8 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
                 value = f"{module}.{qual}" if isinstance(module, str) and isinstance(qual, str) else "<dynamic>"
                 found.append(value)
             stack.extend([value] * len(op.stack_after))
-    except (ValueError, EOFError, IndexError) as e:
-        raise CheckpointFormatError(f"malformed pickle: {e}") from e
+    except PARSE_ERRORS as e:
+        raise CheckpointFormatError(f"malformed pickle: {type(e).__name__}: {e}") from e
     return found
 
 
@@ -134,12 +168,15 @@ def checkpoint_globals(path: str | os.PathLike[str]) -> list[str]:
                     raise CheckpointFormatError(f"{path}: zip archive has no data.pkl, so it is not a torch checkpoint")
                 for n in pkl:
                     names += pickle_globals(zf.read(n))
-        except zipfile.BadZipFile as e:
-            raise CheckpointFormatError(f"{path}: damaged zip archive ({e})") from e
+        except PARSE_ERRORS as e:
+            if isinstance(e, CheckpointFormatError):
+                raise
+            raise CheckpointFormatError(f"{path}: damaged zip archive ({type(e).__name__}: {e})") from e
     elif fmt == LEGACY:
         with open(path, "rb") as f:
+            reader = ClampedReader(f)
             for _ in range(4):  # magic number, protocol version, sys info, the object itself
-                names += pickle_globals(f)
+                names += pickle_globals(reader)  # type: ignore[arg-type]
     return list(dict.fromkeys(names))
 
 

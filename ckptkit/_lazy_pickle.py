@@ -20,10 +20,11 @@ import io
 import math
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
-from ._errors import CheckpointFormatError
+from ._errors import PARSE_ERRORS, CheckpointFormatError
 
 # Storage class -> (dtype name, bytes per element, safetensors dtype or None)
 STORAGE_TYPES: dict[str, tuple[str, int, str | None]] = {
@@ -223,9 +224,18 @@ def _allowed(module: str, name: str) -> bool:
 
 
 class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, on_storage: Callable[[StorageRef], None] | None = None) -> None:
         super().__init__(file)
         self._globals: dict[tuple[str, str], Global] = {}
+        self._on_storage = on_storage
+
+    # Protocol 5's BYTEARRAY8 allocates its claimed length before reading (bytearray(n)): a
+    # flipped length bit asks for terabytes. torch writes protocol 2, so refuse those opcodes.
+    def _refuse_buffers(self) -> None:
+        raise CheckpointFormatError("pickle uses protocol-5 buffer opcodes, which torch checkpoints never contain")
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch.update(dict.fromkeys((op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers))
 
     def find_class(self, module: str, name: str) -> Any:
         real = _REAL.get((module, name))
@@ -238,21 +248,34 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
             raise CheckpointFormatError(f"unexpected persistent id {pid!r:.80}")
-        return StorageRef(pid)
+        ref = StorageRef(pid)
+        if self._on_storage is not None:
+            self._on_storage(ref)
+        return ref
 
 
-def loads(data: bytes) -> Any:
+def storage_nbytes(ref: StorageRef) -> int:
+    """Bytes a storage declares: elements x element size (UntypedStorage counts bytes)."""
+    if not isinstance(ref.pid[4], int) or ref.pid[4] < 0:
+        raise CheckpointFormatError(f"storage {ref.key} declares {ref.pid[4]!r} elements")
+    size = 1 if ref.type_name == "UntypedStorage" else STORAGE_TYPES.get(ref.type_name, ("", 1, None))[1]
+    return ref.numel * size
+
+
+def loads(data: bytes | BinaryIO, *, on_storage: Callable[[StorageRef], None] | None = None) -> Any:
     """Unpickle a torch ``data.pkl`` into containers with stand-in leaves.
+
+    ``on_storage`` sees every storage reference as it is read (to bound declared sizes).
 
     Raises:
         UnsupportedGlobal: a global outside the allowlist (nothing was run).
         CheckpointFormatError: the bytes are not a well-formed torch pickle.
     """
     try:
-        return _Unpickler(io.BytesIO(data)).load()
+        return _Unpickler(io.BytesIO(data) if isinstance(data, bytes) else data, on_storage).load()
     except CheckpointFormatError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
+    except (pickle.UnpicklingError, *PARSE_ERRORS) as e:
         raise CheckpointFormatError(f"malformed pickle: {type(e).__name__}: {e}") from e
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _dist
 from ._errors import (
+    PARSE_ERRORS,
     ArgumentError,
     CheckpointFormatError,
     CkptkitError,
@@ -103,12 +103,13 @@ def read_checkpoint(
     if map_location is None:
         map_location = _restore_to(device_for_rank())
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": not trust}
-    if fmt == ZIP:
-        from ._torchzip import TorchZip
+    from ._bounds import check_storage_bounds
 
-        TorchZip(source)  # records within the file: a lying zip directory cannot drive torch's allocations
-        if mmap:
-            kwargs["mmap"] = True
+    # Records inside the file, declared sizes within their bytes: a damaged or hostile file
+    # cannot make torch allocate what the file does not hold.
+    check_storage_bounds(source, fmt)
+    if fmt == ZIP and mmap:
+        kwargs["mmap"] = True
     try:
         if allow_globals and not trust:
             with torch.serialization.safe_globals(list(allow_globals)):
@@ -129,7 +130,7 @@ def read_checkpoint(
                     unsafe,
                 ) from e
         raise CheckpointFormatError(f"{source}: damaged checkpoint: {_weights_only_reason(e)}") from e
-    except (RuntimeError, EOFError, ValueError, KeyError, IndexError, zipfile.BadZipFile, OSError, TypeError) as e:
+    except PARSE_ERRORS as e:
         kind = "legacy torch" if fmt == LEGACY else "torch zip"
         raise CheckpointFormatError(f"{source}: damaged or truncated {kind} checkpoint: {_weights_only_reason(e)}") from e
 

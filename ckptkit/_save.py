@@ -32,7 +32,37 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     import torch
 
     with atomic_write(dest) as f:
-        torch.save(obj, f)
+        writer = _RecordingWriter(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError as e:
+            # torch's zip writer turns a failed write into "unexpected pos ..."; the OSError it
+            # swallowed (disk full, file too large) is the cause the user needs to read.
+            if writer.error is not None:
+                raise writer.error from e
+            raise
+
+
+class _RecordingWriter:
+    """A file wrapper that remembers the first OSError a write raised."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
 
 def _rebuild_error(kind: str, message: str) -> CkptkitError:

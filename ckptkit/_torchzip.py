@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ._errors import CheckpointFormatError
+from ._errors import PARSE_ERRORS, CheckpointFormatError
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
@@ -50,8 +50,8 @@ class TorchZip:
         try:
             with zipfile.ZipFile(self.path) as zf:
                 infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as e:
-            raise CheckpointFormatError(f"{self.path}: damaged zip archive ({e})") from e
+        except PARSE_ERRORS as e:
+            raise CheckpointFormatError(f"{self.path}: damaged zip archive ({type(e).__name__}: {e})") from e
         pkl = [i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pkl) != 1:
             raise CheckpointFormatError(f"{self.path}: a torch checkpoint has one data.pkl, this zip has {len(pkl)}")
@@ -59,6 +59,8 @@ class TorchZip:
         self.records: list[Record] = []
         with open(self.path, "rb") as f:
             for info in infos:
+                if not 0 <= info.header_offset < size:
+                    raise CheckpointFormatError(f"{self.path}: zip directory points {info.filename} outside the file")
                 f.seek(info.header_offset)
                 head = f.read(_LOCAL.size)
                 if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
@@ -78,8 +80,11 @@ class TorchZip:
         """A small record's bytes, CRC-checked."""
         rec = self.by_name[name]
         if rec.method != zipfile.ZIP_STORED:
-            with zipfile.ZipFile(self.path) as zf:
-                return zf.read(name)
+            try:
+                with zipfile.ZipFile(self.path) as zf:
+                    return zf.read(name)
+            except PARSE_ERRORS as e:
+                raise CheckpointFormatError(f"{self.path}: cannot read record {name} ({type(e).__name__}: {e})") from e
         with open(self.path, "rb") as f:
             f.seek(rec.data_offset)
             data = f.read(rec.compressed_size)

@@ -12,8 +12,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import CheckpointFormatError, CkptkitError, summarize
-from ._formats import DCP, LEGACY, SAFETENSORS, ZIP, check_exists, checkpoint_globals, detect_format, filter_unsafe
+from ._errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, summarize
+from ._formats import (
+    DCP,
+    LEGACY,
+    SAFETENSORS,
+    ZIP,
+    check_exists,
+    checkpoint_globals,
+    detect_format,
+    filter_unsafe,
+    pickle_globals,
+)
 
 
 @dataclass
@@ -174,6 +184,7 @@ def _dcp(p: Path, report: VerifyReport) -> None:
         report.add("metadata", False, f"{type(e).__name__}: {e}")
         return
     report.add("metadata", True, f"{len(meta.state_dict_metadata)} entries")
+    _dcp_entries(p, meta, report)
     problems, sizes = [], {}
     for index, info in (meta.storage_data or {}).items():
         shard = p / info.relative_path
@@ -184,3 +195,33 @@ def _dcp(p: Path, report: VerifyReport) -> None:
         elif info.offset + info.length > sizes[shard]:
             problems.append(f"{index.fqn}: bytes {info.offset}+{info.length} past the end of {info.relative_path}")
     report.add("shards present and long enough", not problems, summarize(sorted(set(problems)), 3) if problems else f"{len(sizes)} shard file(s)")
+
+
+def _dcp_entries(p: Path, meta: Any, report: VerifyReport) -> None:
+    """Non-tensor DCP entries are torch.save'd pickles inside the shards: list their globals."""
+    import io
+    import zipfile
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    unsafe: dict[str, list[str]] = {}
+    for index, info in (meta.storage_data or {}).items():
+        if not isinstance(meta.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        shard = p / info.relative_path
+        if not shard.is_file():
+            continue  # reported by the shard check
+        with open(shard, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(min(info.length, max(0, shard.stat().st_size - info.offset)))
+        try:
+            with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+                names = [g for n in zf.namelist() if n.endswith("data.pkl") for g in pickle_globals(zf.read(n))]
+        except (CkptkitError, *PARSE_ERRORS):
+            unsafe[index.fqn] = ["<unreadable pickle>"]
+            continue
+        bad = filter_unsafe(names)
+        if bad:
+            unsafe[index.fqn] = bad
+    shown = [f"{fqn}: {', '.join(g)}" for fqn, g in unsafe.items()]
+    report.add("non-tensor entries safe to load", not unsafe, f"needs --trust: {summarize(shown, 3)}" if unsafe else "weights-only globals")
