@@ -15,3 +15,33 @@ FIXTURES = ROOT / "fixtures"
 @pytest.fixture
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+# -- the reliability suite: a size option and a tally of what was tried -------------------------
+
+import json  # noqa: E402
+from collections import Counter  # noqa: E402
+
+TALLY: Counter[str] = Counter()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--stress", type=int, default=1, help="multiply the reliability suite's trial counts")
+    parser.addoption("--reliability-report", default=None, help="write the reliability tally as JSON here")
+
+
+@pytest.fixture
+def stress(request: pytest.FixtureRequest) -> int:
+    return max(1, int(request.config.getoption("--stress")))
+
+
+@pytest.fixture
+def tally() -> Counter[str]:
+    """Counters the reliability tests add to (trials, faults, inputs, losses, hangs, payloads run)."""
+    return TALLY
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = session.config.getoption("--reliability-report")
+    if path:
+        Path(path).write_text(json.dumps({"exitstatus": int(exitstatus), "tally": dict(sorted(TALLY.items()))}, indent=2))

@@ -1,0 +1,411 @@
+"""Fault campaigns run in their own process: ``python -m tests.reliability.campaigns NAME ...``.
+
+Each prints one JSON object of counts on stdout. They run apart from pytest so that forking,
+rlimits and kills never touch the test process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TMP = ".ckptkit-tmp"
+
+
+def _temps(folder: Path) -> int:
+    return sum(1 for p in folder.iterdir() if p.name.endswith(TMP))
+
+
+def _payload(version: int, mb: int) -> dict[str, Any]:
+    import torch
+
+    return {"version": torch.tensor(version), "data": torch.full((mb * 262144,), float(version))}
+
+
+def _consistent(obj: dict[str, Any]) -> int:
+    """The version a loaded payload claims, or -1 if its data disagrees (a torn or mixed file)."""
+    import torch
+
+    v = int(obj["version"])
+    return v if bool(torch.all(obj["data"] == float(v))) else -1
+
+
+def kill_save(trials: int, folder: Path, seed: int, mb: int = 4) -> dict[str, Any]:
+    """Fork writers that save_on_master in a loop; SIGKILL each at a random moment."""
+    import torch
+
+    import ckptkit
+
+    torch.set_num_threads(1)  # no intra-op thread pool to inherit across fork()
+    rng = random.Random(seed)
+    path = folder / "ckpt.pt"
+    ckptkit.save_on_master(_payload(0, mb), path)
+    last, counts = 0, {"trials": 0, "killed_mid_write": 0, "torn": 0, "unreadable": 0, "went_back": 0, "max_temps": 0}
+    for trial in range(trials):
+        start = last + 1
+        pid = os.fork()
+        if pid == 0:  # the writer
+            v = start
+            while True:
+                ckptkit.save_on_master(_payload(v, mb), path)
+                v += 1
+        time.sleep(rng.uniform(0.0, 0.06))
+        mid = _temps(folder) > 0
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        counts["trials"] += 1
+        counts["killed_mid_write"] += int(mid)
+        counts["max_temps"] = max(counts["max_temps"], _temps(folder))
+        try:
+            v = _consistent(ckptkit.read_checkpoint(path))
+        except ckptkit.CkptkitError:
+            counts["unreadable"] += 1
+            continue
+        if v < 0:
+            counts["torn"] += 1
+        elif v < last:
+            counts["went_back"] += 1
+        else:
+            last = v
+    ckptkit.save_on_master(_payload(last + 1, mb), path)  # the next writer clears any debris
+    counts["temps_after"] = _temps(folder)
+    counts["final_loads"] = int(_consistent(ckptkit.read_checkpoint(path)) == last + 1)
+    return counts
+
+
+def kill_convert(trials: int, folder: Path, seed: int, mb: int = 8) -> dict[str, Any]:
+    """Fork converters that rewrite one DST from two alternating sources; SIGKILL at random."""
+    import torch
+
+    import ckptkit
+
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    sources = []
+    for v in (1, 2):
+        src = folder / f"ddp_{v}.pt"
+        torch.save({f"module.layer{i}.weight": torch.full((mb * 262144 // 8,), float(v)) for i in range(8)}, src)
+        sources.append(src)
+    dst = folder / "single.safetensors"
+    ckptkit.convert_checkpoint(sources[0], dst)
+    counts = {"trials": 0, "killed_mid_write": 0, "torn": 0, "unreadable": 0, "max_temps": 0}
+    for _ in range(trials):
+        pid = os.fork()
+        if pid == 0:
+            i = 0
+            while True:
+                ckptkit.convert_checkpoint(sources[i % 2], dst, force=True)
+                i += 1
+        time.sleep(rng.uniform(0.0, 0.05))
+        mid = _temps(folder) > 0
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        counts["trials"] += 1
+        counts["killed_mid_write"] += int(mid)
+        counts["max_temps"] = max(counts["max_temps"], _temps(folder))
+        try:
+            out = ckptkit.read_checkpoint(dst)
+        except ckptkit.CkptkitError:
+            counts["unreadable"] += 1
+            continue
+        values = {float(t[0]) for t in out.values()}
+        whole = len(out) == 8 and len(values) == 1 and all(bool(torch.all(t == t[0])) for t in out.values())
+        counts["torn"] += int(not whole or not ckptkit.verify_checkpoint(dst).ok)
+    ckptkit.convert_checkpoint(sources[0], dst, force=True)
+    counts["temps_after"] = _temps(folder)
+    return counts
+
+
+def _fault_case(name: str, folder: Path, prepare: Any, cleanup: Any = None) -> list[dict[str, Any]]:
+    """Under a fault, save over a good checkpoint and convert over a good output: report the
+    error, whether the old file survived, and any debris."""
+    import torch
+
+    import ckptkit
+
+    src = folder.parent / f"src-{folder.name}.pt"
+    torch.save({f"module.w{i}": torch.full((262144,), float(i)) for i in range(4)}, src)  # 4 MiB
+    results = []
+    for action in ("save_on_master", "convert"):
+        path = folder / ("ckpt.pt" if action == "save_on_master" else "single.safetensors")
+        if action == "save_on_master":
+            ckptkit.save_on_master(_payload(1, 1), path)
+        else:
+            path.write_bytes(b"the previous output")
+        before = path.read_bytes()
+        result: dict[str, Any] = {"case": name, "action": action}
+        try:
+            prepare()
+            try:
+                if action == "save_on_master":
+                    ckptkit.save_on_master(_payload(2, 4), path)  # 4 MiB: bigger than every limit used
+                else:
+                    ckptkit.convert_checkpoint(src, path, force=True)
+                result["error"] = None
+            except ckptkit.CkptkitError as e:
+                result["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if cleanup is not None:
+                cleanup()
+        result["old_intact"] = path.read_bytes() == before
+        result["temps"] = _temps(folder)
+        results.append(result)
+    return results
+
+
+def disk_faults(trials: int, folder: Path, seed: int) -> dict[str, Any]:
+    """File too large (RLIMIT_FSIZE), disk full (1 MiB tmpfs), permission denied (chattr +i)."""
+    import resource
+    import subprocess
+
+    cases = []
+    # RLIMIT_FSIZE: the kernel sends SIGXFSZ (fatal by default); a process that ignores it gets EFBIG.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    big = folder / "fsize"
+    big.mkdir()
+    cases.extend(_fault_case("file too large (RLIMIT_FSIZE 2 MiB)", big,
+                             lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard)),
+                             lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))))  # fmt: skip
+    full = folder / "tmpfs"
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(full)], capture_output=True).returncode == 0
+    if mounted:
+        try:
+            cases.extend(_fault_case("disk full (2 MiB tmpfs)", full, lambda: None))
+        finally:
+            subprocess.run(["umount", str(full)], check=False)
+    else:
+        cases.append({"case": "disk full (tmpfs)", "skipped": "mount not permitted here"})
+    locked = folder / "immutable"
+    locked.mkdir()
+
+    def lock() -> None:
+        subprocess.run(["chattr", "+i", str(locked)], check=True, capture_output=True)
+
+    def unlock() -> None:
+        subprocess.run(["chattr", "-i", str(locked)], check=False, capture_output=True)
+
+    if subprocess.run(["chattr", "-i", str(locked)], capture_output=True).returncode == 0:
+        cases.extend(_fault_case("permission denied (chattr +i folder)", locked, lock, unlock))
+    else:
+        cases.append({"case": "permission denied (chattr)", "skipped": "chattr not available here"})
+    return {"cases": cases}
+
+
+def read_while_rewriting(trials: int, folder: Path, seed: int) -> dict[str, Any]:
+    """A forked writer replaces the file over and over; every read must be one whole version."""
+    import torch
+
+    import ckptkit
+
+    torch.set_num_threads(1)
+    counts = {"reads": 0, "mixed": 0, "unreadable": 0, "versions_seen": 0}
+    for suffix in (".pt", ".safetensors"):
+        path = folder / f"hot{suffix}"
+        ckptkit.write_checkpoint(_payload(0, 4), path)
+        pid = os.fork()
+        if pid == 0:
+            v = 1
+            while True:
+                ckptkit.write_checkpoint(_payload(v, 4), path)
+                v += 1
+        seen = set()
+        try:
+            for _ in range(trials):
+                try:
+                    v = _consistent(ckptkit.read_checkpoint(path))
+                except ckptkit.CkptkitError:
+                    counts["unreadable"] += 1
+                    continue
+                counts["reads"] += 1
+                counts["mixed"] += int(v < 0)
+                seen.add(v)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        counts["versions_seen"] += len(seen)
+    return counts
+
+
+def hostile_inputs(trials: int, folder: Path, seed: int) -> dict[str, Any]:
+    """Every hostile input through every reader, under a 6 GiB address-space limit."""
+    import resource
+
+    import torch
+
+    import ckptkit
+    from tests.reliability import hostile
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    torch.set_num_threads(1)
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures"
+    work = folder / "inputs"
+    work.mkdir(exist_ok=True)
+    out_dir = folder / "out"
+    out_dir.mkdir(exist_ok=True)
+    counts: dict[str, Any] = {"inputs": 0, "families": {}, "findings": [], "cli_exit_codes": {},
+                              "payload_flips": 0, "payload_flips_caught_by_verify": 0}  # fmt: skip
+    for family, what, path in hostile.corpus(fixtures, work, seed, max(1, trials)):
+        counts["inputs"] += 1
+        counts["families"][family] = counts["families"].get(family, 0) + 1
+        out = out_dir / "out.pt"
+        found = hostile.check_library(path, out_dir / "lib_out.pt")
+        cli_found, codes = hostile.check_cli(path, out)
+        for k, v in codes.items():
+            counts["cli_exit_codes"][k] = counts["cli_exit_codes"].get(k, 0) + v
+        counts["findings"] += [f"{family} / {what}: {f}" for f in found + cli_found]
+        if family == "bit flip in payload":
+            counts["payload_flips"] += 1
+            counts["payload_flips_caught_by_verify"] += int(not ckptkit.verify_checkpoint(path).ok)
+    return counts
+
+
+def code_payloads(trials: int, folder: Path, seed: int) -> dict[str, Any]:
+    """Pickles that try to run code, through every reader; the marker file must never appear."""
+    import ckptkit
+    from tests.reliability import payloads
+
+    marker = folder / "PAYLOAD_RAN"
+    inputs = list(payloads.files(folder, marker))
+    readers = payloads.readers(folder / "out.pt")
+    counts: dict[str, Any] = {"payload_files": len(inputs), "readers": len(readers), "runs": 0, "executed": 0,
+                              "refused": 0, "findings": []}  # fmt: skip
+    for desc, path in inputs:
+        for rname, read in readers.items():
+            marker.unlink(missing_ok=True)
+            outcome = "returned"
+            try:
+                result = read(path)
+                if rname == "verify_checkpoint" and result.ok:
+                    outcome = "verified as fine"
+                if rname == "inspect_checkpoint" and result.needs_trust:
+                    outcome = "refused"  # a summary that names the globals instead of loading them
+            except ckptkit.UnsafeCheckpointError:
+                outcome = "refused"
+            except ckptkit.CkptkitError as e:
+                outcome = f"{type(e).__name__}"
+            except AssertionError as e:  # a CLI command did not exit 1
+                outcome = f"cli: {e}"
+            counts["runs"] += 1
+            if marker.exists():
+                counts["executed"] += 1
+                counts["findings"].append(f"{desc} / {rname}: PAYLOAD RAN")
+            if outcome == "refused" or (rname == "verify_checkpoint" and outcome == "returned") or rname.startswith("cli"):
+                counts["refused"] += int(outcome in ("refused", "returned"))
+            else:
+                counts["findings"].append(f"{desc} / {rname}: {outcome}")
+    # The control: trusting the file does run the payload, so the marker check above can fail.
+    marker.unlink(missing_ok=True)
+    ckptkit.read_checkpoint(inputs[0][1], trust=True)
+    counts["control_ran_when_trusted"] = marker.exists()
+    return counts
+
+
+def fuzz(trials: int, folder: Path, seed: int) -> dict[str, Any]:
+    """hypothesis over the readers: mutated fixtures and generated safetensors headers.
+
+    Any input that makes a reader raise something other than a CkptkitError is saved under
+    ``folder/findings`` (to become a regression fixture) and reported.
+    """
+    import resource
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.reliability import hostile
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures"
+    bases = {name: (fixtures / name).read_bytes() for name in hostile.BASES}
+    found_dir = folder / "findings"
+    found_dir.mkdir(exist_ok=True)
+    counts: dict[str, Any] = {"examples": 0, "findings": []}
+    mutation = st.one_of(
+        st.tuples(st.just("flip"), st.floats(0, 1, exclude_max=True), st.integers(0, 7)),
+        st.tuples(st.just("set"), st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+        st.tuples(st.just("truncate"), st.floats(0, 1, exclude_max=True), st.just(0)),
+        st.tuples(st.just("insert"), st.floats(0, 1, exclude_max=True), st.binary(min_size=1, max_size=16)),
+        st.tuples(st.just("delete"), st.floats(0, 1, exclude_max=True), st.integers(1, 64)),
+    )
+
+    def mutate(data: bytes, ops: list[tuple[str, float, Any]]) -> bytes:
+        buf = bytearray(data)
+        for kind, where, arg in ops:
+            if not buf:
+                break
+            i = int(where * len(buf))
+            if kind == "flip":
+                buf[i] ^= 1 << arg
+            elif kind == "set":
+                buf[i] = arg
+            elif kind == "truncate":
+                del buf[i:]
+            elif kind == "insert":
+                buf[i:i] = arg
+            else:
+                del buf[i : i + arg]
+        return bytes(buf)
+
+    def run(name: str, data: bytes) -> None:
+        counts["examples"] += 1
+        path = folder / f"input{Path(name).suffix}"
+        path.write_bytes(data)
+        problems = hostile.check_library(path, folder / "out.pt")
+        if problems:
+            keep = found_dir / f"finding{len(counts['findings']):03d}{Path(name).suffix}"
+            keep.write_bytes(data)
+            counts["findings"].append(f"{keep.name} (from {name}): {problems[0]}")
+
+    # seed 0: the same examples every run (CI); any other seed explores new ones.
+    options = settings(max_examples=trials, deadline=None, derandomize=seed == 0, database=None,
+                       suppress_health_check=list(HealthCheck))  # fmt: skip
+
+    @options
+    @given(st.sampled_from(sorted(bases)), st.lists(mutation, min_size=1, max_size=4))
+    def mutated(name: str, ops: list[tuple[str, float, Any]]) -> None:
+        run(name, mutate(bases[name], ops))
+
+    json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.text(max_size=8))
+    entry = st.fixed_dictionaries(
+        {"dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "X9", ""]),
+         "shape": st.lists(st.integers(-2, 2**41), max_size=3),
+         "data_offsets": st.lists(st.integers(-8, 2**41), min_size=0, max_size=3)}
+    )  # fmt: skip
+    header = st.dictionaries(st.text(min_size=1, max_size=6), st.one_of(entry, json_leaf), max_size=4)
+
+    @options
+    @given(header, st.binary(max_size=64), st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+    def safetensors_header(h: dict[str, Any], data: bytes, length: int | None) -> None:
+        run("generated.safetensors", hostile._st(h, data, length=length))
+
+    from hypothesis import seed as hypothesis_seed
+
+    for test in (mutated, safetensors_header):
+        (hypothesis_seed(seed)(test) if seed else test)()
+    return counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("campaign")
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    fn = {"kill-save": kill_save, "kill-convert": kill_convert, "disk-faults": disk_faults,
+          "read-while-rewriting": read_while_rewriting, "hostile-inputs": hostile_inputs,
+          "code-payloads": code_payloads, "fuzz": fuzz}[args.campaign]  # fmt: skip
+    print(json.dumps(fn(args.trials, args.dir, args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
