@@ -37,6 +37,21 @@ def _consistent(obj: dict[str, Any]) -> int:
     return v if bool(torch.all(obj["data"] == float(v))) else -1
 
 
+def _kill_writer(write_forever: Any, folder: Path, rng: random.Random, max_delay: float, counts: dict[str, Any]) -> None:
+    """Fork a child running ``write_forever()``, SIGKILL it after a random delay, count the kill."""
+    pid = os.fork()
+    if pid == 0:  # the writer: never returns
+        write_forever()
+        os._exit(0)
+    time.sleep(rng.uniform(0.0, max_delay))
+    mid = _temps(folder) > 0
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    counts["trials"] += 1
+    counts["killed_mid_write"] += int(mid)
+    counts["max_temps"] = max(counts["max_temps"], _temps(folder))
+
+
 def kill_save(trials: int, folder: Path, seed: int, mb: int = 4) -> dict[str, Any]:
     """Fork writers that save_on_master in a loop; SIGKILL each at a random moment."""
     import torch
@@ -48,21 +63,14 @@ def kill_save(trials: int, folder: Path, seed: int, mb: int = 4) -> dict[str, An
     path = folder / "ckpt.pt"
     ckptkit.save_on_master(_payload(0, mb), path)
     last, counts = 0, {"trials": 0, "killed_mid_write": 0, "torn": 0, "unreadable": 0, "went_back": 0, "max_temps": 0}
-    for trial in range(trials):
-        start = last + 1
-        pid = os.fork()
-        if pid == 0:  # the writer
-            v = start
+    for _ in range(trials):
+
+        def write_forever(v: int = last + 1) -> None:
             while True:
                 ckptkit.save_on_master(_payload(v, mb), path)
                 v += 1
-        time.sleep(rng.uniform(0.0, 0.06))
-        mid = _temps(folder) > 0
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        counts["trials"] += 1
-        counts["killed_mid_write"] += int(mid)
-        counts["max_temps"] = max(counts["max_temps"], _temps(folder))
+
+        _kill_writer(write_forever, folder, rng, 0.06, counts)
         try:
             v = _consistent(ckptkit.read_checkpoint(path))
         except ckptkit.CkptkitError:
@@ -96,20 +104,14 @@ def kill_convert(trials: int, folder: Path, seed: int, mb: int = 8) -> dict[str,
     dst = folder / "single.safetensors"
     ckptkit.convert_checkpoint(sources[0], dst)
     counts = {"trials": 0, "killed_mid_write": 0, "torn": 0, "unreadable": 0, "max_temps": 0}
+    def convert_forever() -> None:
+        i = 0
+        while True:
+            ckptkit.convert_checkpoint(sources[i % 2], dst, force=True)
+            i += 1
+
     for _ in range(trials):
-        pid = os.fork()
-        if pid == 0:
-            i = 0
-            while True:
-                ckptkit.convert_checkpoint(sources[i % 2], dst, force=True)
-                i += 1
-        time.sleep(rng.uniform(0.0, 0.05))
-        mid = _temps(folder) > 0
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        counts["trials"] += 1
-        counts["killed_mid_write"] += int(mid)
-        counts["max_temps"] = max(counts["max_temps"], _temps(folder))
+        _kill_writer(convert_forever, folder, rng, 0.05, counts)
         try:
             out = ckptkit.read_checkpoint(dst)
         except ckptkit.CkptkitError:
