@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ._errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, summarize
+from ._errors import PARSE_ERRORS, PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, summarize
 from ._formats import ClampedReader, filter_unsafe, pickle_globals
 from ._lazy_pickle import DTYPES
 
@@ -95,7 +95,7 @@ def read_dcp(path: str | os.PathLike[str], *, trust: bool = False) -> dict[str, 
             raise cause from e
         what = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown failure"
         raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {what}") from e
-    except (pickle.UnpicklingError, *PARSE_ERRORS) as e:
+    except PICKLE_ERRORS as e:
         raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {type(e).__name__}: {e}") from e
     return state
 

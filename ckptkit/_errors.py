@@ -8,6 +8,7 @@ found, and the fix. This module imports nothing heavy: the CLI uses it before to
 
 from __future__ import annotations
 
+import pickle
 import struct
 import zipfile
 from collections.abc import Sequence
@@ -96,6 +97,9 @@ PARSE_ERRORS: tuple[type[BaseException], ...] = (
     NotImplementedError, RuntimeError, RecursionError, struct.error, zipfile.BadZipFile,
     zipfile.LargeZipFile, OSError, AssertionError,  # torch's legacy loader asserts on file content
 )  # fmt: skip
+
+
+PICKLE_ERRORS: tuple[type[BaseException], ...] = (pickle.UnpicklingError, *PARSE_ERRORS)
 
 
 def summarize(items: Sequence[str], limit: int = 6) -> str:

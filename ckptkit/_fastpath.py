@@ -132,7 +132,10 @@ def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progre
     bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not is_leaf(v)]
     if bad:
         raise ArgumentError(f"{src.path}: safetensors holds only tensors; not tensors: {summarize(bad)}")
-    entries, copies, aliases, first = [], [], {}, {}
+    entries: list[Any] = []
+    copies: list[tuple[str, int, int, int | None]] = []
+    aliases: dict[str, list[Any]] = {}
+    first: dict[Any, str] = {}
     position = {k: i for i, k in enumerate(state)}
     for name, ref in state.items():
         st, shape, offset, length, ident, known = _locate(src, ref, name)

@@ -14,7 +14,7 @@ import pickletools
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ._errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError
 
@@ -118,7 +118,7 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
                 stack.append(_MARK)
                 continue
             if name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1] if stack else None
+                memo[cast(int, arg)] = stack[-1] if stack else None
                 continue
             if name == "MEMOIZE":
                 memo[len(memo)] = stack[-1] if stack else None
@@ -128,7 +128,7 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
             if name in _STRING_OPS:
                 value = arg.decode("latin-1") if isinstance(arg, bytes) else arg
             elif name in ("GET", "BINGET", "LONG_BINGET"):
-                value = memo.get(arg)
+                value = memo.get(cast(int, arg))
             elif name in ("GLOBAL", "INST"):
                 module, _, qual = str(arg).partition(" ")
                 value = f"{module}.{qual}"

@@ -22,9 +22,9 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, SupportsIndex
 
-from ._errors import PARSE_ERRORS, CheckpointFormatError
+from ._errors import PICKLE_ERRORS, CheckpointFormatError
 
 # Storage class -> (dtype name, bytes per element, safetensors dtype or None)
 STORAGE_TYPES: dict[str, tuple[str, int, str | None]] = {
@@ -84,7 +84,7 @@ class Call:
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return (self.func, tuple(self.args)) if self.state is None else (self.func, tuple(self.args), self.state)
 
     def __repr__(self) -> str:
@@ -235,7 +235,7 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         raise CheckpointFormatError("pickle uses protocol-5 buffer opcodes, which torch checkpoints never contain")
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    dispatch.update(dict.fromkeys((op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers))
+    dispatch.update(dict.fromkeys((op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers))  # type: ignore[arg-type]
 
     def find_class(self, module: str, name: str) -> Any:
         real = _REAL.get((module, name))
@@ -275,7 +275,7 @@ def loads(data: bytes | BinaryIO, *, on_storage: Callable[[StorageRef], None] | 
         return _Unpickler(io.BytesIO(data) if isinstance(data, bytes) else data, on_storage).load()
     except CheckpointFormatError:
         raise
-    except (pickle.UnpicklingError, *PARSE_ERRORS) as e:
+    except PICKLE_ERRORS as e:
         raise CheckpointFormatError(f"malformed pickle: {type(e).__name__}: {e}") from e
 
 
@@ -292,14 +292,14 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         if isinstance(obj, Global):
-            memo = self.memo.get(id(obj))
+            memo = self.memo.get(id(obj))  # type: ignore[attr-defined]  # pure-Python pickler internals
             if memo is not None:
-                self.write(self.get(memo[0]))
+                self.write(self.get(memo[0]))  # type: ignore[attr-defined]
                 return
-            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-            self.memoize(obj)
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # type: ignore[attr-defined]
+            self.memoize(obj)  # type: ignore[attr-defined]
             return
-        super().save(obj, save_persistent_id)
+        super().save(obj, save_persistent_id)  # type: ignore[misc]
 
 
 def dumps(obj: Any) -> tuple[bytes, list[str]]:

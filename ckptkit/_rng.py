@@ -27,10 +27,10 @@ def capture_rng_state() -> dict[str, Any]:
     except ImportError:
         state["numpy"] = None
     else:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
         state["numpy"] = {
             "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),

@@ -34,7 +34,7 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     with atomic_write(dest) as f:
         writer = _RecordingWriter(f)
         try:
-            torch.save(obj, writer)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like object
         except RuntimeError as e:
             # torch's zip writer turns a failed write into "unexpected pos ..."; the OSError it
             # swallowed (disk full, file too large) is the cause the user needs to read.

@@ -217,7 +217,7 @@ def _dcp_entries(p: Path, meta: Any, report: VerifyReport) -> None:
         try:
             with zipfile.ZipFile(io.BytesIO(blob)) as zf:
                 names = [g for n in zf.namelist() if n.endswith("data.pkl") for g in pickle_globals(zf.read(n))]
-        except (CkptkitError, *PARSE_ERRORS):
+        except (CkptkitError, *PARSE_ERRORS):  # type: ignore[misc]
             unsafe[index.fqn] = ["<unreadable pickle>"]
             continue
         bad = filter_unsafe(names)

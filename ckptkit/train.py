@@ -247,7 +247,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
             return
         started = time.perf_counter()
         path = ckpts.path_for(step)
-        parts = dict(model=net, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, epoch=epoch, step=step)
+        parts: dict[str, Any] = dict(model=net, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, epoch=epoch, step=step)
         if saver is not None:
             saver.save_training_state(path, on_done=lambda: ckpts.commit(path), **parts)
         else:
