@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import gc
 import importlib
-import json
 import math
 import os
 import sys
@@ -31,6 +30,8 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from ._trainlog import Logger
 
 
 @dataclass
@@ -195,7 +196,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     out = Path(cfg.out)
     if master:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-    log = _Logger(out / "metrics.jsonl", enabled=master, progress=master and sys.stdout.isatty())
+    log = Logger(out / "metrics.jsonl", enabled=master, progress=master and sys.stdout.isatty())
 
     # -- seeds: one model initialisation everywhere, one RNG stream per rank (dropout)
     torch.manual_seed(cfg.seed)
@@ -327,7 +328,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     return {"status": status, "step": step, "epoch": epoch, "val_acc": val_acc}
 
 
-def _log_train(log: _Logger, dist: Any, loss_sum: Any, seen: int, step: int, epoch: int, sched: Any, tick: float, world: int) -> float:
+def _log_train(log: Logger, dist: Any, loss_sum: Any, seen: int, step: int, epoch: int, sched: Any, tick: float, world: int) -> float:
     import torch
 
     totals = torch.stack([loss_sum.float(), torch.tensor(float(seen), device=loss_sum.device)])
@@ -340,7 +341,7 @@ def _log_train(log: _Logger, dist: Any, loss_sum: Any, seen: int, step: int, epo
     return now
 
 
-def _evaluate(net: Any, loader: Any, device: Any, dist: Any, log: _Logger, step: int, epoch: int) -> float:
+def _evaluate(net: Any, loader: Any, device: Any, dist: Any, log: Logger, step: int, epoch: int) -> float:
     import torch
     import torch.nn.functional as F
 
@@ -356,59 +357,6 @@ def _evaluate(net: Any, loader: Any, device: Any, dist: Any, log: _Logger, step:
     acc = (totals[1] / totals[2]).item()
     log.metric(step=step, epoch=epoch, val_loss=round((totals[0] / totals[2]).item(), 6), val_acc=round(acc, 4))
     return acc
-
-
-class _Logger:
-    """Rank 0 only: JSON lines to metrics.jsonl, readable lines on stdout, and a rich
-    progress bar when stdout is a terminal."""
-
-    def __init__(self, path: Path, *, enabled: bool, progress: bool = False) -> None:
-        self.enabled = enabled
-        self.file = open(path, "a", buffering=1) if enabled else None  # line-buffered: a crash loses no line
-        self.bar: Any = None
-        self.task: Any = None
-        if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-            self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                TimeRemainingColumn(), transient=True)  # fmt: skip
-
-    def _write(self, record: dict[str, Any]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-
-    def _print(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.console.print(text, highlight=False, markup=False)  # above the bar; "[end]" is text
-        else:
-            print(text, flush=True)
-
-    def start_bar(self, total: int, done: int) -> None:
-        if self.bar is not None:
-            self.bar.start()
-            self.task = self.bar.add_task("training", total=total, completed=done)
-
-    def advance(self, epoch: int) -> None:
-        if self.task is not None:
-            self.bar.update(self.task, advance=1, description=f"epoch {epoch}")
-
-    def metric(self, **values: Any) -> None:
-        if self.enabled:
-            self._write(values)
-            self._print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()))
-
-    def event(self, name: str, **values: Any) -> None:
-        if self.enabled:
-            self._write({"event": name, **values})
-            if name != "save":
-                shown = {k: v for k, v in values.items() if k != "config"}
-                self._print(f"[{name}] " + " ".join(f"{k}={v}" for k, v in shown.items()))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        if self.file is not None:
-            self.file.close()
 
 
 def main(argv: list[str] | None = None) -> int:
