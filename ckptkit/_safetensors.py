@@ -64,7 +64,6 @@ def write_with_crcs(
     f.seek(start)
     f.write(final)
     f.seek(end)
-MAGIC_HINT = "safetensors"
 
 
 def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None) -> bytes:

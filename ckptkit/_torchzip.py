@@ -13,7 +13,7 @@ import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -231,7 +231,3 @@ def crc_of_range(src: BinaryIO, offset: int, length: int) -> int:
         crc = zlib.crc32(chunk, crc)
         left -= len(chunk)
     return crc
-
-
-def record_names(prefix: str, keys: Iterable[str]) -> list[str]:
-    return [f"{prefix}data/{k}" for k in keys]
