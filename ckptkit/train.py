@@ -308,7 +308,8 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
             save("epoch end")
 
     # -- the end: last checkpoint, then the plain single-device weights
-    if status == "done" and sampler.position not in (0, len(train_set)):  # cut by --max-steps mid-epoch
+    # Cut by --max-steps mid-epoch, or resumed with nothing left to do: evaluate what we have.
+    if status == "done" and (sampler.position not in (0, len(train_set)) or math.isnan(val_acc)):
         val_acc = _evaluate(net, val_loader, device, dist if distributed else None, log, step, epoch)
     save("preempted" if status == "preempted" else "final")
     if saver is not None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
@@ -67,17 +68,18 @@ def test_resume_none_starts_over(tmp_path: Path) -> None:
     assert all(torch.equal(first[k], again[k]) for k in first)  # same seed, same options, same run
 
 
-def test_resume_auto_after_completion_does_nothing_more(tmp_path: Path) -> None:
-    assert run(tmp_path, "--max-steps", "8").returncode == 0
-    assert run(tmp_path, "--max-steps", "8").returncode == 0
-    assert events(tmp_path, "resumed")[0]["step"] == 8
-    assert events(tmp_path, "end")[-1]["step"] == 8
+@pytest.mark.parametrize("stop", [["--max-steps", "8"], ["--epochs", "1"]])  # mid-epoch, epoch end
+def test_resume_auto_after_completion_does_nothing_more(tmp_path: Path, stop: list[str]) -> None:
+    assert run(tmp_path, *stop).returncode == 0
+    assert run(tmp_path, *stop).returncode == 0
+    ends = events(tmp_path, "end")
+    assert events(tmp_path, "resumed")[0]["step"] == ends[0]["step"] > 0
+    assert [e["step"] for e in ends] == [ends[0]["step"]] * 2
+    assert ends[1]["val_acc"] == ends[0]["val_acc"]  # the same weights evaluated again, not NaN
 
 
 def test_sync_bn_without_cuda_is_a_clear_error(tmp_path: Path) -> None:
     if torch.cuda.is_available():
-        import pytest
-
         pytest.skip("CUDA present: --sync-bn is valid here")
     proc = run(tmp_path, "--sync-bn", "--max-steps", "2")
     assert proc.returncode != 0 and "--sync-bn needs CUDA" in proc.stderr
