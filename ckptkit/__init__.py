@@ -94,14 +94,13 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ._async import AsyncSaver
-    from ._folder import CheckpointFolder
-    from ._preempt import StopSignal
     from ._convert import ConvertReport, convert_checkpoint
     from ._diff import DiffReport, diff_checkpoints
+    from ._folder import CheckpointFolder
     from ._inspect import CheckpointSummary, inspect_checkpoint
-    from ._verify import VerifyReport, verify_checkpoint
     from ._layout import find_model_state
     from ._load import device_for_rank, load_for_rank, read_checkpoint
+    from ._preempt import StopSignal
     from ._prefix import (
         WRAPPER_PREFIXES,
         PrefixInfo,
@@ -116,3 +115,4 @@ if TYPE_CHECKING:
     from ._save import save_on_master, write_checkpoint
     from ._state import TrainingState, load_training_state, save_training_state
     from ._unwrap import unwrap_model
+    from ._verify import VerifyReport, verify_checkpoint

@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ._errors import PARSE_ERRORS, PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, summarize
+from ._errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, summarize
 from ._formats import ClampedReader, filter_unsafe, pickle_globals
 from ._lazy_pickle import DTYPES
 

@@ -137,7 +137,7 @@ def all_gather_object(obj: T, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str
         dist.all_gather(parts, padded, group=group)
     except RuntimeError as e:
         raise _fail(what, e, timeout_s) from e
-    return [_from_tensor(p, int(s.item())) for p, s in zip(parts, sizes)]
+    return [_from_tensor(p, int(s.item())) for p, s in zip(parts, sizes, strict=True)]
 
 
 def barrier(*, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "barrier") -> None:

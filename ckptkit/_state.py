@@ -64,7 +64,7 @@ def _load_states(what: str, objs: Any, saved: Any, saved_shape: str, source: str
     elif shape == "list":
         if len(saved) != len(objs):
             raise ResumeError(f"{source}: holds {len(saved)} {what} state(s), {len(objs)} were passed")
-        for v, s in zip(objs, saved):
+        for v, s in zip(objs, saved, strict=True):
             v.load_state_dict(s)
     else:
         objs.load_state_dict(saved)

@@ -270,7 +270,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
         loader_gen.manual_seed(cfg.seed + epoch)
         batches = iter(loader)
         while not done():
-            micro = [b for _, b in zip(range(cfg.accum), batches)]
+            micro = [b for _, b in zip(range(cfg.accum), batches, strict=False)]
             if not micro:
                 break
             net.train()

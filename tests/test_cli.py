@@ -102,7 +102,7 @@ def test_dcp_folder_input(tmp_path: Path) -> None:
     assert code == 0 and "loaded with torch" in err
     restored = TinyNet()
     restored.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True)["model"], strict=True)
-    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values(), strict=True))
 
 
 def test_json_report(fixtures_dir: Path, tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def _assert_equal_nested(a, b, where: str = "") -> None:
             _assert_equal_nested(a[k], b[k], f"{where}/{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_equal_nested(x, y, f"{where}[{i}]")
     else:
         assert a == b, where

@@ -34,7 +34,7 @@ def test_round_trip_without_process_group(tmp_path: Path) -> None:
     torch.manual_seed(123)
     state = ckptkit.load_training_state(tmp_path / "s.pt", model=m2, optimizer=o2, scheduler=s2)
     assert (state.epoch, state.step, state.extra, state.world_size) == (3, 17, {"best": 0.5}, 1)
-    assert all(torch.equal(a, b) for a, b in zip(m2.state_dict().values(), model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(m2.state_dict().values(), model.state_dict().values(), strict=True))
     assert s2.state_dict() == sched.state_dict()
 
 

@@ -225,7 +225,7 @@ def test_async_save_gives_identical_checkpoints(straight: Path, tmp_path: Path) 
         a = torch.load(straight / "checkpoints" / f"step_{step:09d}.pt", weights_only=True)
         b = torch.load(tmp_path / "checkpoints" / f"step_{step:09d}.pt", weights_only=True)
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-        assert all(torch.equal(x["torch"], y["torch"]) for x, y in zip(a["rng"], b["rng"]))
+        assert all(torch.equal(x["torch"], y["torch"]) for x, y in zip(a["rng"], b["rng"], strict=True))
     saves = [r for r in records(tmp_path) if r.get("event") == "save"]
     assert saves and all(r["async_save"] for r in saves)
 

@@ -32,9 +32,8 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 def test_python_entry_point_with_my_model_and_data(tmp_path: Path) -> None:
-    from fixtures.models import TinyNet
-
     from ckptkit.train import TrainConfig, train
+    from fixtures.models import TinyNet
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=g)
