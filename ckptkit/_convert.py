@@ -125,8 +125,11 @@ def convert_checkpoint(
 
         try:
             src_view = fp.open_source(source, in_fmt)
-            return _rewrite(src_view.obj, source, dest, in_fmt, out_fmt, to, strip, add, weights_only, key,
-                            fp.is_leaf, lambda f, obj, sd: _fast_write(fp, f, src_view, obj, sd, in_fmt, out_fmt, report_progress))  # fmt: skip
+            try:
+                return _rewrite(src_view.obj, source, dest, in_fmt, out_fmt, to, strip, add, weights_only, key,
+                                fp.is_leaf, lambda f, obj, sd: _fast_write(fp, f, src_view, obj, sd, in_fmt, out_fmt, report_progress))  # fmt: skip
+            finally:
+                src_view.close()
         except UnsupportedGlobal as e:
             reason = f"{e.name} is not modelled by the fast path: loaded with torch"
         except fp.NeedsTorch as e:
@@ -161,7 +164,7 @@ def _rewrite(obj: Any, source: Path, dest: Path, in_fmt: str, out_fmt: str, to: 
         destination_format=out_fmt,
         weights_at="/".join(path),
         tensors=len(new_state),
-        renamed=sum(a != b for a, b in zip(state, new_state)),
+        renamed=sum(a != b for a, b in zip(state, new_state, strict=True)),
         prefix_before=detect_prefixes(state).prefix,
         prefix_after=detect_prefixes(new_state).prefix,
         dropped=others if weights_only else [],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,9 +19,19 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from . import _lazy_pickle as lp
+from ._bounds import check_tensors
 from ._errors import ArgumentError, CheckpointFormatError, summarize
 from ._formats import SAFETENSORS, ZIP
-from ._safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, read_header, write_with_crcs
+from ._safetensors import (
+    ALIASES_KEY,
+    CRC_KEY,
+    crc_metadata,
+    encode_header,
+    parse_aliases,
+    parse_crcs,
+    read_header,
+    write_with_crcs,
+)
 from ._torchzip import Progress, TorchZip, ZipWriter, copy_range, crc_of_range
 
 _ST_TO_STORAGE = {st: name for name, (_, _, st) in lp.STORAGE_TYPES.items() if st}
@@ -44,14 +55,22 @@ class StRef:
 
 @dataclass
 class Source:
-    """An opened checkpoint: its object tree with byte-locating leaves."""
+    """An opened checkpoint: its object tree with byte-locating leaves.
+
+    ``file`` is the one open file everything is read from, so that a source replaced on disk
+    meanwhile (``os.replace`` by a running trainer) is still read as the version opened.
+    """
 
     path: Path
     fmt: str
     obj: Any
+    file: BinaryIO
     zip: TorchZip | None = None
     metadata: dict[str, str] | None = None
     data_start: int = 0
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def is_leaf(value: Any) -> bool:
@@ -60,49 +79,38 @@ def is_leaf(value: Any) -> bool:
 
 def open_source(path: Path, fmt: str) -> Source:
     """Read a torch zip's pickle (through stand-ins) or a safetensors header; no tensor bytes."""
+    if fmt not in (ZIP, SAFETENSORS):
+        raise NeedsTorch(f"{fmt} input")
+    f = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed by its user
+    try:
+        return _read_source(path, fmt, f)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
     if fmt == ZIP:
-        z = TorchZip(path)
-        return Source(path, fmt, lp.loads(z.read(f"{z.prefix}data.pkl")), zip=z)
+        z = TorchZip(path, file=f)
+        pickled = lp.loads(z.read(f"{z.prefix}data.pkl"))
+        check_tensors(pickled, z, str(path))  # storages are copied as they are: refuse broken views now
+        return Source(path, fmt, pickled, f, zip=z)
     if fmt == SAFETENSORS:
-        with open(path, "rb") as f:
-            header, start = read_header(f, source=str(path))
+        header, start = read_header(f, source=str(path))
         meta = dict(header.pop("__metadata__", None) or {})
-        crcs = _recorded_crcs(meta, path)
+        crcs = parse_crcs(meta, str(path))
         obj: OrderedDict[str, Any] = OrderedDict(
             (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0],
                          e["data_offsets"][1] - e["data_offsets"][0], crcs.get(name)))  # fmt: skip
             for name, e in header.items()
         )
-        aliases = _aliases(meta, obj, path)
+        aliases = parse_aliases(meta, obj, str(path))
         for pos, alias, target in aliases:
             items = list(obj.items())
             items.insert(min(pos, len(items)), (alias, obj[target]))
             obj = OrderedDict(items)
-        return Source(path, fmt, obj, metadata=meta, data_start=start)
+        return Source(path, fmt, obj, f, metadata=meta, data_start=start)
     raise NeedsTorch(f"{fmt} input")
-
-
-def _recorded_crcs(meta: Mapping[str, str], path: Path) -> dict[str, int]:
-    import json
-
-    try:
-        return {k: int(v, 16) for k, v in json.loads(meta.get(CRC_KEY, "{}")).items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        raise CheckpointFormatError(f"{path}: metadata {CRC_KEY} is malformed ({e})") from e
-
-
-def _aliases(meta: Mapping[str, str], obj: Mapping[str, Any], path: Path) -> list[tuple[int, str, str]]:
-    import json
-
-    try:
-        raw = json.loads(meta.get(ALIASES_KEY, "{}"))
-        placed = sorted((int(pos), alias, target) for alias, (target, pos) in raw.items())
-    except (ValueError, TypeError) as e:
-        raise CheckpointFormatError(f"{path}: metadata {ALIASES_KEY} is malformed ({e})") from e
-    for _, alias, target in placed:
-        if target not in obj:
-            raise CheckpointFormatError(f"{path}: alias {alias!r} points at missing tensor {target!r}")
-    return placed
 
 
 def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int, int, Any, int | None]:
@@ -112,6 +120,8 @@ def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int
     t = lp.tensor_of(ref)
     if t is None or src.zip is None:
         raise NeedsTorch(f"{name} is not a plain tensor")
+    if src.zip.byteorder != "little":  # safetensors is little-endian: torch swaps the bytes on load
+        raise NeedsTorch(f"{src.path} was saved big-endian")
     st = lp.DTYPES.get(t.dtype, (0, None))[1]
     if st is None:
         raise ArgumentError(f"{src.path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store; use a .pt output")
@@ -152,14 +162,14 @@ def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progre
         import json
 
         meta[ALIASES_KEY] = json.dumps(aliases)
-    with open(src.path, "rb") as fs:
+    fs = src.file
 
-        def write_data(crcs: dict[str, int]) -> None:
-            for name, offset, length, known in copies:
-                crcs[name] = known if known is not None else crc_of_range(fs, offset, length)
-                copy_range(fs, f, offset, length, progress)
+    def write_data(crcs: dict[str, int]) -> None:
+        for name, offset, length, known in copies:
+            crcs[name] = known if known is not None else crc_of_range(fs, offset, length)
+            copy_range(fs, f, offset, length, progress)
 
-        write_with_crcs(f, entries, meta, write_data)
+    write_with_crcs(f, entries, meta, write_data)
     return sum(c[2] for c in copies)
 
 
@@ -185,9 +195,8 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
         meta[CRC_KEY] = crc_metadata(header, {n: state[n].crc for n in header})
     out = {"__metadata__": meta, **header} if meta else header
     f.write(encode_header(out))
-    size = src.path.stat().st_size - src.data_start
-    with open(src.path, "rb") as fs:
-        copy_range(fs, f, src.data_start, size, progress)
+    size = os.fstat(src.file.fileno()).st_size - src.data_start
+    copy_range(src.file, f, src.data_start, size, progress)
     return size
 
 
@@ -199,15 +208,14 @@ def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | Non
         z = src.zip
         w = ZipWriter(f, alignment=z.alignment)
         total = 0
-        with open(src.path, "rb") as fs:
-            for rec in z.records:
-                if rec.name == f"{z.prefix}data.pkl":
-                    w.add_bytes(rec.name, data)
-                elif rec.name.startswith(f"{z.prefix}data/") and rec.name[len(z.prefix) + 5 :] not in used:
-                    continue  # a storage only dropped entries used (e.g. the optimizer's, with weights_only)
-                else:
-                    w.add_copy(rec.name, fs, rec, progress)
-                    total += rec.compressed_size
+        for rec in z.records:
+            if rec.name == f"{z.prefix}data.pkl":
+                w.add_bytes(rec.name, data)
+            elif rec.name.startswith(f"{z.prefix}data/") and rec.name[len(z.prefix) + 5 :] not in used:
+                continue  # a storage only dropped entries used (e.g. the optimizer's, with weights_only)
+            else:
+                w.add_copy(rec.name, src.file, rec, progress)
+                total += rec.compressed_size
         w.close()
         return total
     return _safetensors_to_zip(f, src, obj, progress)
@@ -246,12 +254,11 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
                           (f"{prefix}.storage_alignment", b"64"), (f"{prefix}byteorder", b"little")):  # fmt: skip
         w.add_bytes(name, payload)
     digest = hashlib.sha1(data)
-    with open(src.path, "rb") as fs:
-        for i, (offset, length, known) in enumerate(ranges):
-            # Zip records carry a CRC-32: the recorded one if the source has it, else one read.
-            crc = known if known is not None else crc_of_range(fs, offset, length)
-            digest.update(crc.to_bytes(4, "little"))
-            w.add_range(f"{prefix}data/{i}", fs, offset, length, crc, progress)
+    for i, (offset, length, known) in enumerate(ranges):
+        # Zip records carry a CRC-32: the recorded one if the source has it, else one read.
+        crc = known if known is not None else crc_of_range(src.file, offset, length)
+        digest.update(crc.to_bytes(4, "little"))
+        w.add_range(f"{prefix}data/{i}", src.file, offset, length, crc, progress)
     w.add_bytes(f"{prefix}version", b"3\n")
     w.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
     w.close()

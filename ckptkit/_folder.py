@@ -81,7 +81,7 @@ class CheckpointFolder:
                 candidates.insert(0, named)
         for path in candidates:
             try:
-                TorchZip(path)  # central directory and local headers readable: not torn
+                TorchZip(path).close()  # central directory and local headers readable: not torn
             except (CkptkitError, OSError):
                 continue
             return path

@@ -118,6 +118,7 @@ def _fast(path: Path, fmt: str) -> tuple[Any, Any, Any, dict[str, Any]]:
     from . import _lazy_pickle as lp
 
     src = fp.open_source(path, fmt)
+    src.close()  # the names, shapes and offsets are read; no tensor bytes are needed
 
     def info(name: str, ref: Any) -> TensorInfo:
         if isinstance(ref, fp.StRef):

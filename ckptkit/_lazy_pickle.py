@@ -169,7 +169,9 @@ class TensorRef(Call):
         for d in reversed(self.shape):
             expected.append(acc)
             acc *= d
-        return all(s == e for s, e, d in zip(self.stride, reversed(expected), self.shape) if d != 1)
+        if len(self.stride) != len(self.shape):
+            return False
+        return all(s == e for s, e, d in zip(self.stride, reversed(expected), self.shape, strict=True) if d != 1)
 
     def byte_range(self) -> tuple[int, int]:
         """``(start, length)`` of a contiguous tensor's bytes within its storage record."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import json
-import zlib
 import math
 import os
 import struct
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
@@ -262,17 +262,39 @@ def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[
     return _retie(out, meta, source), meta
 
 
-def _retie(tensors: OrderedDict[str, Any], meta: Mapping[str, str], source: str) -> OrderedDict[str, Any]:
+def parse_crcs(meta: Mapping[str, str], source: str) -> dict[str, int]:
+    """Tensor name -> CRC-32 from the ``ckptkit.crc32`` metadata ({} when none was recorded)."""
     try:
-        aliases = json.loads(meta.get(ALIASES_KEY, "{}"))
-        placed = sorted((int(pos), alias, target) for alias, (target, pos) in aliases.items())
+        return {str(k): int(v, 16) for k, v in json.loads(meta.get(CRC_KEY, "{}")).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointFormatError(f"{source}: metadata {CRC_KEY} is malformed ({e})") from e
+
+
+def parse_aliases(meta: Mapping[str, str], names: Iterable[str], source: str) -> list[tuple[int, str, str]]:
+    """``(position, alias, target)`` from the ``ckptkit.aliases`` metadata, sorted by position.
+
+    Raises:
+        CheckpointFormatError: the metadata is malformed or an alias points at a missing tensor.
+    """
+    try:
+        raw = json.loads(meta.get(ALIASES_KEY, "{}"))
+        if not isinstance(raw, dict):
+            raise TypeError(f"a JSON {type(raw).__name__}, not an object")
+        placed = sorted((int(pos), str(alias), str(target)) for alias, (target, pos) in raw.items())
     except (ValueError, TypeError) as e:
         raise CheckpointFormatError(f"{source}: metadata {ALIASES_KEY} is malformed ({e})") from e
+    known = set(names)
+    for _, alias, target in placed:
+        if target not in known:
+            raise CheckpointFormatError(f"{source}: alias {alias!r} points at missing tensor {target!r}")
+    return placed
+
+
+def _retie(tensors: OrderedDict[str, Any], meta: Mapping[str, str], source: str) -> OrderedDict[str, Any]:
+    placed = parse_aliases(meta, tensors, source)
     if not placed:
         return tensors
     items = list(tensors.items())
     for pos, alias, target in placed:
-        if target not in tensors:
-            raise CheckpointFormatError(f"{source}: alias {alias!r} points at missing tensor {target!r}")
         items.insert(min(pos, len(items)), (alias, tensors[target]))
     return OrderedDict(items)

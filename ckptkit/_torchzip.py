@@ -10,6 +10,7 @@ with their CRC-32s, kernel-side (``copy_file_range``), never through Python memo
 from __future__ import annotations
 
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -18,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ._errors import PARSE_ERRORS, CheckpointFormatError
+from ._errors import PARSE_ERRORS, CheckpointFormatError, summarize
+from ._zipcheck import check_like_torch
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" sentinel
 ZIP64_AT = _U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
 _CHUNK = 64 << 20
+MAX_FORMAT_VERSION = 10  # kMaxSupportedFileFormatVersion of torch's reader (10 in torch 2.13)
 
 Progress = Callable[[int], None]
 
@@ -42,52 +45,107 @@ class Record:
 
 
 class TorchZip:
-    """The records of a torch zip checkpoint, in file order, with their data offsets."""
+    """The records of a torch zip checkpoint, in file order, with their data offsets.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    Everything is read through one open file (``file``): if the path is atomically replaced
+    meanwhile (a trainer saving ``latest``), this object still describes, and reads, the one
+    version it opened. Callers copying records must read them from ``file`` too.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, file: BinaryIO | None = None) -> None:
         self.path = Path(path)
-        size = self.path.stat().st_size
+        self.file = file if file is not None else open(self.path, "rb")  # noqa: SIM115 - lives with self
         try:
-            with zipfile.ZipFile(self.path) as zf:
-                infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
+            self._open()
+        except BaseException:
+            if file is None:
+                self.file.close()
+            raise
+
+    def close(self) -> None:
+        self.file.close()
+
+    def _open(self) -> None:
+        f = self.file
+        size = os.fstat(f.fileno()).st_size
+        try:
+            zf = zipfile.ZipFile(f)
+            central = zf.infolist()
+            infos = sorted(central, key=lambda i: i.header_offset)
         except PARSE_ERRORS as e:
             raise CheckpointFormatError(f"{self.path}: damaged zip archive ({type(e).__name__}: {e})") from e
+        check_like_torch(self.path, f, size, infos)
         pkl = [i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pkl) != 1:
             raise CheckpointFormatError(f"{self.path}: a torch checkpoint has one data.pkl, this zip has {len(pkl)}")
         self.prefix = pkl[0][: -len("data.pkl")]
         self.records: list[Record] = []
-        with open(self.path, "rb") as f:
-            for info in infos:
-                if not 0 <= info.header_offset < size:
-                    raise CheckpointFormatError(f"{self.path}: zip directory points {info.filename} outside the file")
-                f.seek(info.header_offset)
-                head = f.read(_LOCAL.size)
-                if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
-                    raise CheckpointFormatError(f"{self.path}: local header of {info.filename} is damaged")
-                name_len, extra_len = struct.unpack("<HH", head[26:30])
-                start = info.header_offset + _LOCAL.size + name_len + extra_len
-                if start + info.compress_size > size:
-                    raise CheckpointFormatError(
-                        f"{self.path}: record {info.filename} runs past the end of the file (truncated?)"
-                    )
-                self.records.append(
-                    Record(info.filename, start, info.compress_size, info.file_size, info.CRC, info.compress_type)
+        for info in infos:
+            if not 0 <= info.header_offset < size:
+                raise CheckpointFormatError(f"{self.path}: zip directory points {info.filename} outside the file")
+            f.seek(info.header_offset)
+            head = f.read(_LOCAL.size)
+            if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
+                raise CheckpointFormatError(f"{self.path}: local header of {info.filename} is damaged")
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            start = info.header_offset + _LOCAL.size + name_len + extra_len
+            if start + info.compress_size > size:
+                raise CheckpointFormatError(
+                    f"{self.path}: record {info.filename} runs past the end of the file (truncated?)"
                 )
+            self.records.append(
+                Record(info.filename, start, info.compress_size, info.file_size, info.CRC, info.compress_type)
+            )
         self.by_name = {r.name: r for r in self.records}
+        self._check_archive(central[0].filename if central else "")
+        self.byteorder = self._text_record("byteorder", "little")
+        if self.byteorder not in ("little", "big"):
+            raise CheckpointFormatError(f"{self.path}: byteorder record says {self.byteorder!r}, not little or big")
+        try:  # torch decodes it when it loads
+            (self._text_record(".data/serialization_id", "") or "").encode("latin-1").decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointFormatError(f"{self.path}: .data/serialization_id is not text ({e})") from e
+        text = self._text_record(".storage_alignment", "64") or "64"
+        try:
+            self.alignment = max(1, int(text))
+        except ValueError as e:  # torch.load fails on it the same way
+            raise CheckpointFormatError(f"{self.path}: .storage_alignment record says {text[:20]!r}, not a number") from e
+
+    def _check_archive(self, first: str) -> None:
+        """What torch's reader requires of the archive itself (inline_container.cc)."""
+        if "/" not in first or first[: first.index("/") + 1] != self.prefix:
+            raise CheckpointFormatError(
+                f"{self.path}: torch reads the folder of the first zip record ({first!r}), but data.pkl is in "
+                f"{self.prefix or 'the top level'!r}; every record must sit in one folder, data.pkl included"
+            )
+        stray = [r.name for r in self.records if not r.name.startswith(self.prefix)]
+        if stray:
+            raise CheckpointFormatError(f"{self.path}: records outside the archive folder {self.prefix!r}: {summarize(stray)}")
+        text = self._text_record(".data/version", None) or self._text_record("version", None)
+        if text is None:
+            raise CheckpointFormatError(f"{self.path}: the zip has no {self.prefix}version record")
+        number = re.match(r"\s*(\d+)", text)  # parsed as torch's stoull does: leading digits
+        if number is None or not 1 <= int(number.group(1)) <= MAX_FORMAT_VERSION:
+            raise CheckpointFormatError(
+                f"{self.path}: version record says {text[:20]!r}; torch reads versions 1 to {MAX_FORMAT_VERSION}"
+            )
+
+    def _text_record(self, name: str, default: str | None) -> str | None:
+        rec = self.by_name.get(self.prefix + name)
+        if rec is None:
+            return default
+        return self.read(rec.name).decode("latin-1")
 
     def read(self, name: str) -> bytes:
         """A small record's bytes, CRC-checked."""
         rec = self.by_name[name]
         if rec.method != zipfile.ZIP_STORED:
             try:
-                with zipfile.ZipFile(self.path) as zf:
-                    return zf.read(name)
+                return zipfile.ZipFile(self.file).read(name)
             except PARSE_ERRORS as e:
                 raise CheckpointFormatError(f"{self.path}: cannot read record {name} ({type(e).__name__}: {e})") from e
-        with open(self.path, "rb") as f:
-            f.seek(rec.data_offset)
-            data = f.read(rec.compressed_size)
+        self.file.seek(rec.data_offset)
+        data = self.file.read(rec.compressed_size)
         if zlib.crc32(data) != rec.crc:
             raise CheckpointFormatError(f"{self.path}: record {name} fails its CRC-32 check (the file is damaged)")
         return data
@@ -98,15 +156,6 @@ class TorchZip:
             raise CheckpointFormatError(f"{self.path}: the pickle refers to storage {key}, which the zip lacks")
         return rec
 
-    @property
-    def alignment(self) -> int:
-        name = f"{self.prefix}.storage_alignment"
-        if name in self.by_name:
-            try:
-                return max(1, int(self.read(name)))
-            except ValueError:
-                return 64
-        return 64
 
 
 def _writeback_starter() -> Callable[[int, int, int], None]:

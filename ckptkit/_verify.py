@@ -79,16 +79,25 @@ def _globals_safe(p: Path, report: VerifyReport) -> bool:
 
 
 def _zip(p: Path, report: VerifyReport) -> None:
-    from . import _lazy_pickle as lp
-    from ._torchzip import TorchZip, crc_of_range
+    from ._torchzip import TorchZip
 
     z = TorchZip(p)
+    try:
+        _zip_checks(p, z, report)
+    finally:
+        z.close()
+
+
+def _zip_checks(p: Path, z: Any, report: VerifyReport) -> None:
+    from . import _lazy_pickle as lp
+    from ._bounds import tensor_problems
+    from ._torchzip import crc_of_range
+
     report.add("zip structure", True, f"{len(z.records)} records")
     bad = []
-    with open(p, "rb") as f:
-        for rec in z.records:
-            if rec.method == 0 and crc_of_range(f, rec.data_offset, rec.compressed_size) != rec.crc:
-                bad.append(rec.name)
+    for rec in z.records:  # read through z.file: the version opened, even if the path is replaced
+        if rec.method == 0 and crc_of_range(z.file, rec.data_offset, rec.compressed_size) != rec.crc:
+            bad.append(rec.name)
     report.add("CRC-32 of every record", not bad, f"damaged: {summarize(bad)}" if bad else f"{len(z.records)} records match")
     try:
         obj = lp.loads(z.read(f"{z.prefix}data.pkl"))
@@ -97,35 +106,8 @@ def _zip(p: Path, report: VerifyReport) -> None:
             _torch_loads(p, report)
         return
     report.add("safe to load", True, "only tensors, containers and plain values")
-    problems = []
-    for name, t in _tensors(obj):
-        try:
-            rec = z.storage(t.storage.key)
-        except CheckpointFormatError:
-            problems.append(f"{name}: storage {t.storage.key} missing")
-            continue
-        if t.numel and t.itemsize:
-            last = t.offset + sum((d - 1) * s for d, s in zip(t.shape, t.stride))
-            if t.offset < 0 or (last + 1) * t.itemsize > rec.size:
-                problems.append(f"{name}: needs {(last + 1) * t.itemsize} bytes, storage has {rec.size}")
+    problems = tensor_problems(obj, z)
     report.add("tensors fit their storages", not problems, summarize(problems, 3) if problems else "all in bounds")
-
-
-def _tensors(obj: Any, path: str = "") -> list[tuple[str, Any]]:
-    from . import _lazy_pickle as lp
-
-    found: list[tuple[str, Any]] = []
-    stack = [(path, obj)]
-    while stack:
-        where, node = stack.pop()
-        t = lp.tensor_of(node)
-        if t is not None:
-            found.append((where or "<root>", t))
-        elif isinstance(node, dict):
-            stack += [(f"{where}/{k}" if where else str(k), v) for k, v in node.items()]
-        elif isinstance(node, (list, tuple)):
-            stack += [(f"{where}[{i}]", v) for i, v in enumerate(node)]
-    return found
 
 
 def _torch_loads(p: Path, report: VerifyReport) -> None:
@@ -140,22 +122,28 @@ def _torch_loads(p: Path, report: VerifyReport) -> None:
 
 
 def _safetensors(p: Path, report: VerifyReport) -> None:
-    import json
 
-    from ._safetensors import CRC_KEY, read_header
+    from ._safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
     from ._torchzip import crc_of_range
 
     with open(p, "rb") as f:
         header, start = read_header(f, source=str(p))
         meta = header.pop("__metadata__", None) or {}
         report.add("header and offsets", True, f"{len(header)} tensors, dtypes known, offsets in bounds, no overlap or gap")
+        if ALIASES_KEY in meta:
+            try:
+                detail = f"{len(parse_aliases(meta, header, str(p)))} alias(es), each naming a stored tensor"
+            except CheckpointFormatError as e:
+                report.add("tied tensors", False, str(e))
+                return
+            report.add("tied tensors", True, detail)
         if CRC_KEY not in meta:
             report.add("checksums", True, "none recorded (not written by ckptkit): a flipped bit in tensor data cannot be detected")
             return
         try:
-            recorded = {k: int(v, 16) for k, v in json.loads(meta[CRC_KEY]).items()}
-        except (ValueError, TypeError, AttributeError) as e:
-            report.add("CRC-32 of every tensor", False, f"metadata {CRC_KEY} is malformed ({e})")
+            recorded = parse_crcs(meta, str(p))
+        except CheckpointFormatError as e:
+            report.add("CRC-32 of every tensor", False, str(e))
             return
         bad = [n for n, e in header.items() if n in recorded and crc_of_range(f, start + e["data_offsets"][0],
                e["data_offsets"][1] - e["data_offsets"][0]) != recorded[n]]  # fmt: skip

@@ -203,13 +203,14 @@ def disk_faults(trials: int, folder: Path, seed: int) -> dict[str, Any]:
 
 
 def read_while_rewriting(trials: int, folder: Path, seed: int) -> dict[str, Any]:
-    """A forked writer replaces the file over and over; every read must be one whole version."""
+    """A forked writer replaces the file over and over; every read must be one whole version,
+    and every convert of it must write one whole version (values and checksums)."""
     import torch
 
     import ckptkit
 
     torch.set_num_threads(1)
-    counts = {"reads": 0, "mixed": 0, "unreadable": 0, "versions_seen": 0}
+    counts = {"reads": 0, "mixed": 0, "unreadable": 0, "versions_seen": 0, "converts": 0, "mixed_converts": 0}
     for suffix in (".pt", ".safetensors"):
         path = folder / f"hot{suffix}"
         ckptkit.write_checkpoint(_payload(0, 4), path)
@@ -230,6 +231,12 @@ def read_while_rewriting(trials: int, folder: Path, seed: int) -> dict[str, Any]
                 counts["reads"] += 1
                 counts["mixed"] += int(v < 0)
                 seen.add(v)
+                if counts["reads"] % 4 == 0:  # a converted copy, made while the source is replaced
+                    out = folder / f"converted{suffix}"
+                    ckptkit.convert_checkpoint(path, out, force=True)
+                    whole = ckptkit.verify_checkpoint(out).ok and _consistent(ckptkit.read_checkpoint(out)) >= 0
+                    counts["converts"] += 1
+                    counts["mixed_converts"] += int(not whole)
         finally:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

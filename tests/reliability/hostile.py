@@ -141,13 +141,26 @@ def check_library(path: Path, out: Path) -> list[str]:
         "verify_checkpoint": lambda: ckptkit.verify_checkpoint(path),
         "convert_checkpoint": lambda: ckptkit.convert_checkpoint(path, out, force=True, weights_only=True),
     }
+    results: dict[str, Any] = {}
     for name, call in calls.items():
         try:
-            call()
+            results[name] = call()
         except ckptkit.CkptkitError:
             pass
         except BaseException as e:  # the finding itself: any other exception escaping
             findings.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+    # Soundness: a file verify passes must load, and a convert that succeeded must have
+    # written a checkpoint that loads (a rewrite must not pass damage through silently).
+    promised = []
+    if getattr(results.get("verify_checkpoint"), "ok", False):
+        promised.append(("verify passed", path))
+    if "convert_checkpoint" in results:
+        promised.append(("convert succeeded", out))
+    for claim, target in promised:
+        try:
+            ckptkit.read_checkpoint(target)
+        except ckptkit.CkptkitError as e:
+            findings.append(f"{claim} but {target.name} does not load: {str(e)[:200]}")
     return findings
 
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GROUPS = [
     ("Kills (kill -9 at random moments)", ("kill -9",)),
     ("Disk, permission and rank-0 faults", ("fault", "rank 0")),
-    ("Readers racing a writer", ("reads while",)),
+    ("Readers racing a writer", ("reads while", "converts while")),
     ("Hostile and broken input", ("hostile", "payload bit flips", "regression inputs", "fuzz")),
     ("Pickles that try to run code", ("code payload",)),
 ]
@@ -56,6 +56,24 @@ input is a regression fixture (`fixtures/regressions/`) or a test.
   before reading. torch writes protocol 2, so those opcodes are refused.
 - `verify` passed a DCP folder whose non-tensor entry carried a code payload: it checked only
   `.metadata`. It now lists the globals of every pickled entry in the shards as well.
+- A soundness oracle (a file `verify` passes must load with torch; a file `convert` wrote
+  must load) found files that passed `verify`, or came out of `convert`, which torch cannot
+  read. Python's `zipfile` accepts zips that torch's reader (miniz and inline_container.cc)
+  refuses: compression method 1, encryption or patch-data flags, stored records whose sizes
+  differ, multi-disk entry counts, a zip64 locator pointing nowhere, a central header longer
+  than the directory, records outside the archive folder, a missing or out-of-range
+  `version`, a bad `byteorder`, `.storage_alignment` or `.data/serialization_id`. ckptkit's
+  pickle walk also accepted tensor views whose stride count or extent did not fit the storage,
+  and `verify` did not parse `ckptkit.aliases`. ckptkit now checks what torch checks (and the
+  CRC-32s of the small metadata records it reads, which torch skips), no more:
+  `tests/test_torch_agreement.py` has one file per rule that torch refuses, and odd files that
+  torch reads must still verify and convert.
+- A big-endian torch checkpoint (byteorder `big`) converted to `.safetensors` had its bytes
+  copied unswapped, so every value was wrong, silently. It now goes through torch, which swaps.
+- `convert` of a checkpoint that was being replaced (a trainer saving `latest`) read the pickle
+  from one version and copied tensor bytes from the next: 5 of 100 converts wrote a mixed file
+  (with the old code, in the campaign that races a writer). Readers now read everything
+  through one open file, and `torch.load` gets `/proc/self/fd/N`, the file that was checked.
 
 ## Limits of what was tried
 

@@ -98,8 +98,9 @@ def test_rank0_failing_mid_save_never_hangs_the_others(tmp_path: Path, stress: i
 def test_readers_never_see_a_mix_while_the_file_is_rewritten(tmp_path: Path, stress: int, tally: Counter[str]) -> None:
     r = campaign("read-while-rewriting", tmp_path, 200 * stress)
     tally["reads while the file was being replaced"] += r["reads"]
-    tally["torn or mixed reads"] += r["mixed"] + r["unreadable"]
-    assert r["mixed"] == 0 and r["unreadable"] == 0, r
+    tally["converts while the source was being replaced"] += r["converts"]
+    tally["torn or mixed reads"] += r["mixed"] + r["unreadable"] + r["mixed_converts"]
+    assert r["mixed"] == 0 and r["unreadable"] == 0 and r["mixed_converts"] == 0, r
     assert r["versions_seen"] > 10, r  # the writer really did replace the file under the readers
 
 

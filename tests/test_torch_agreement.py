@@ -1,0 +1,161 @@
+"""ckptkit's torch-free readers agree with torch: what torch.load refuses, verify fails and
+convert refuses (nothing is written); what torch reads, ckptkit reads the same way.
+
+Each damaged file below once passed ``verify`` or came out of ``convert`` unreadable: Python's
+zipfile and ckptkit's pickle walk accepted what torch's reader (miniz + inline_container.cc)
+rejects. The hostile-input suite found them with its soundness oracle.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.cli import main
+
+Rewrite = Callable[[str, bytes], tuple[str | None, bytes]]
+
+
+def saved(path: Path, obj: object) -> Path:
+    torch.save(obj, path)
+    return path
+
+
+def rewrite_records(src: Path, dst: Path, fn: Rewrite) -> Path:
+    """Copy a zip record by record; ``fn(name, data)`` returns the new name (None drops it) and data."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            name, data = fn(info.filename, zin.read(info.filename))
+            if name is not None:
+                zout.writestr(name, data)
+    return dst
+
+
+def patch_central(src: Path, dst: Path, record_suffix: str, field: int, fmt: str, value: int) -> Path:
+    """Overwrite one field of one central-directory header (offsets as in the zip spec)."""
+    data = bytearray(src.read_bytes())
+    pos = data.find(b"PK\x01\x02")
+    while data[pos : pos + 4] == b"PK\x01\x02":
+        n, e, c = struct.unpack_from("<HHH", data, pos + 28)
+        if bytes(data[pos + 46 : pos + 46 + n]).decode().endswith(record_suffix):
+            struct.pack_into(fmt, data, pos + field, value)
+            dst.write_bytes(bytes(data))
+            return dst
+        pos += 46 + n + e + c
+    raise AssertionError(f"no record ending in {record_suffix}")
+
+
+def patch_at(src: Path, dst: Path, signature: bytes, field: int, fmt: str, value: int) -> Path:
+    """Overwrite one field of the last record with ``signature`` (an end-of-directory record)."""
+    data = bytearray(src.read_bytes())
+    struct.pack_into(fmt, data, data.rfind(signature) + field, value)
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def replace(suffix: str, new: bytes) -> Rewrite:
+    return lambda n, d: (n, new if n.endswith(suffix) else d)
+
+
+class _View:
+    """Pickles as a tensor view with the given size and stride over a 6-float storage."""
+
+    def __init__(self, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.size, self.stride = size, stride
+
+    def __reduce_ex__(self, protocol: int) -> object:
+        storage = torch.storage.TypedStorage(wrap_storage=torch.arange(6.0).untyped_storage(), dtype=torch.float32, _internal=True)
+        return torch._utils._rebuild_tensor_v2, (storage, 0, self.size, self.stride, False, collections.OrderedDict())
+
+
+DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
+    "version 0": lambda b, o: rewrite_records(b, o, replace("/version", b"0\n")),
+    "version 11 (newer than torch reads)": lambda b, o: rewrite_records(b, o, replace("/version", b"11\n")),
+    "version not a number": lambda b, o: rewrite_records(b, o, replace("/version", b"x3")),
+    "no version record": lambda b, o: rewrite_records(b, o, lambda n, d: (None if n.endswith("/version") else n, d)),
+    "first record outside the folder": lambda b, o: rewrite_records(
+        b, o, lambda n, d: (n.split("/", 1)[1] if n.endswith("/data.pkl") else n, d)
+    ),
+    "byteorder neither little nor big": lambda b, o: rewrite_records(b, o, replace("/byteorder", b"middle")),
+    "storage_alignment not a number": lambda b, o: rewrite_records(b, o, replace("/.storage_alignment", b"x")),
+    "compression method 1": lambda b, o: patch_central(b, o, "/data/0", 10, "<H", 1),
+    "encrypted flag": lambda b, o: patch_central(b, o, "/data/0", 8, "<H", 1),
+    "stored record with sizes that differ": lambda b, o: patch_central(b, o, "/data/0", 20, "<I", 7),
+    "patch-data flag": lambda b, o: patch_central(b, o, "/data/0", 8, "<H", 0x20),
+    "central header longer than the directory": lambda b, o: patch_central(b, o, "serialization_id", 32, "<H", 300),
+    "serialization id not text": lambda b, o: rewrite_records(b, o, replace("serialization_id", b"\xb0" * 40)),
+    "second disk of a multi-disk zip": lambda b, o: patch_central(b, o, "/data/0", 34, "<H", 2),
+    "zip64 locator pointing past the file": lambda b, o: patch_at(b, o, b"PK\x06\x07", 8, "<Q", 1 << 40),
+    "a record outside the archive folder": lambda b, o: rewrite_records(
+        b, o, lambda n, d: ("other/" + n.split("/", 1)[1] if n.endswith("/byteorder") else n, d)
+    ),
+    "zip64 end record: entries here differ from the total": lambda b, o: patch_at(b, o, b"PK\x06\x06", 24, "<Q", 1),
+    "tensor with fewer strides than dimensions": lambda b, o: saved(o, {"w": _View((2, 3), (1,))}),
+    "tensor view past its storage": lambda b, o: saved(o, {"w": _View((2, 3), (30, 1))}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_what_torch_refuses_verify_fails_and_convert_refuses(tmp_path: Path, damage: str) -> None:
+    base = saved(tmp_path / "base.pt", {"module.w": torch.arange(6.0), "module.b": torch.ones(2)})
+    bad = DAMAGE[damage](base, tmp_path / "bad.pt")
+    with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError, ValueError, ... by case
+        torch.load(bad, weights_only=True)
+
+    assert not ckptkit.verify_checkpoint(bad).ok
+    with pytest.raises(ckptkit.CheckpointFormatError):
+        ckptkit.load_for_rank(bad)
+    for out in (tmp_path / "out.pt", tmp_path / "out.safetensors"):
+        result = CliRunner().invoke(main, ["convert", str(bad), str(out)])
+        assert result.exit_code == 1, result.output
+        assert result.stderr.startswith("ckptkit: error: ") and "Traceback" not in result.output
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "base.pt"]  # no output, no temp file
+
+
+ODD: dict[str, Callable[[Path, Path], Path]] = {
+    "version 10": lambda b, o: rewrite_records(b, o, replace("/version", b"10\n")),
+    "version with trailing text": lambda b, o: rewrite_records(b, o, replace("/version", b" 3x")),
+    # not swapped: torch then reads other values, and still loads
+    "byteorder big": lambda b, o: rewrite_records(b, o, replace("/byteorder", b"big")),
+    "no byteorder record": lambda b, o: rewrite_records(b, o, lambda n, d: (None if n.endswith("/byteorder") else n, d)),
+    # torch's writer always adds zip64 end records, and then miniz reads the counts there
+    "32-bit end record counts differ": lambda b, o: patch_at(b, o, b"PK\x05\x06", 8, "<H", 1),
+}
+
+
+@pytest.mark.parametrize("oddity", sorted(ODD))
+def test_what_torch_reads_ckptkit_reads(tmp_path: Path, oddity: str) -> None:
+    """The checks are no stricter than torch: these odd but valid files still verify and convert."""
+    base = saved(tmp_path / "base.pt", {"module.w": torch.arange(6.0)})
+    odd = ODD[oddity](base, tmp_path / "odd.pt")
+    expected = torch.load(odd, weights_only=True)["module.w"]
+    assert ckptkit.verify_checkpoint(odd).ok
+    for out in (tmp_path / "out.pt", tmp_path / "out.safetensors"):
+        assert CliRunner().invoke(main, ["convert", str(odd), str(out)]).exit_code == 0
+        got = load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+        assert torch.equal(got["w"], expected)
+
+
+def test_a_big_endian_checkpoint_converts_to_safetensors_with_its_values(tmp_path: Path) -> None:
+    """As torch writes on a big-endian machine: byteorder 'big', payload bytes swapped. safetensors
+    is little-endian, so copying the bytes through would silently scramble every value."""
+    values = torch.arange(4, dtype=torch.float32) + 0.5
+    base = saved(tmp_path / "le.pt", {"module.w": values})
+    swapped = values.numpy().byteswap().tobytes()
+    big = rewrite_records(
+        base, tmp_path / "be.pt", lambda n, d: (n, b"big" if n.endswith("/byteorder") else swapped if "/data/" in n else d)
+    )
+    assert torch.equal(torch.load(big, weights_only=True)["module.w"], values)
+    for out in (tmp_path / "out.safetensors", tmp_path / "out.pt"):
+        assert CliRunner().invoke(main, ["convert", str(big), str(out)]).exit_code == 0
+        got = load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+        assert torch.equal(got["w"], values)
