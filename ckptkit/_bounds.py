@@ -9,7 +9,6 @@ storage placed before a forbidden global is caught too.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -20,12 +19,12 @@ from ._formats import LEGACY, ZIP, ClampedReader
 from ._torchzip import TorchZip
 
 
-def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: BinaryIO | None = None) -> None:
+def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: BinaryIO) -> None:
     """Raise CheckpointFormatError if a declared storage cannot fit its bytes.
 
     Stops quietly at a global the stand-ins do not model: torch's weights-only loader refuses
     it before reading further, and with ``trust`` the caller accepted arbitrary pickles.
-    ``file``: the open file to read (default: open ``path``).
+    ``file``: the open file to read; ``path`` names it in messages.
     """
     p = Path(path)
     if fmt == ZIP:
@@ -39,7 +38,7 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
         source: bytes | object = z.read(f"{z.prefix}data.pkl")
         _walk(source, check_zip)
     elif fmt == LEGACY:
-        size = os.fstat(file.fileno()).st_size if file is not None else p.stat().st_size
+        size = os.fstat(file.fileno()).st_size
 
         def check_legacy(ref: lp.StorageRef) -> None:
             if lp.storage_nbytes(ref) > size:
@@ -47,12 +46,11 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
                     f"{p}: storage {ref.key} declares {lp.storage_nbytes(ref)} bytes, more than the whole file ({size})"
                 )
 
-        with open(p, "rb") if file is None else contextlib.nullcontext(file) as f:
-            f.seek(0)
-            reader = ClampedReader(f)
-            for _ in range(3):  # magic number, protocol version, system info: plain values
-                _walk(reader, None)
-            _walk(reader, check_legacy)
+        file.seek(0)
+        reader = ClampedReader(file)
+        for _ in range(3):  # magic number, protocol version, system info: plain values
+            _walk(reader, None)
+        _walk(reader, check_legacy)
 
 
 def _walk(source: object, check: object) -> None:

@@ -27,6 +27,7 @@ from ._safetensors import (
     CRC_KEY,
     crc_metadata,
     encode_header,
+    insert_aliases,
     parse_aliases,
     parse_crcs,
     read_header,
@@ -95,22 +96,17 @@ def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
         pickled = lp.loads(z.read(f"{z.prefix}data.pkl"))
         check_tensors(pickled, z, str(path))  # storages are copied as they are: refuse broken views now
         return Source(path, fmt, pickled, f, zip=z)
-    if fmt == SAFETENSORS:
-        header, start = read_header(f, source=str(path))
-        meta = dict(header.pop("__metadata__", None) or {})
-        crcs = parse_crcs(meta, str(path))
-        obj: OrderedDict[str, Any] = OrderedDict(
-            (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0],
-                         e["data_offsets"][1] - e["data_offsets"][0], crcs.get(name)))  # fmt: skip
-            for name, e in header.items()
-        )
-        aliases = parse_aliases(meta, obj, str(path))
-        for pos, alias, target in aliases:
-            items = list(obj.items())
-            items.insert(min(pos, len(items)), (alias, obj[target]))
-            obj = OrderedDict(items)
-        return Source(path, fmt, obj, f, metadata=meta, data_start=start)
-    raise NeedsTorch(f"{fmt} input")
+    # SAFETENSORS (open_source admits no other format)
+    header, start = read_header(f, source=str(path))
+    meta = dict(header.pop("__metadata__", None) or {})
+    crcs = parse_crcs(meta, str(path))
+    obj: OrderedDict[str, Any] = OrderedDict(
+        (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0],
+                     e["data_offsets"][1] - e["data_offsets"][0], crcs.get(name)))  # fmt: skip
+        for name, e in header.items()
+    )
+    obj = insert_aliases(obj, parse_aliases(meta, obj, str(path)))
+    return Source(path, fmt, obj, f, metadata=meta, data_start=start)
 
 
 def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int, int, Any, int | None]:

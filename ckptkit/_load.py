@@ -102,46 +102,42 @@ def read_checkpoint(
         return read_dcp(source, trust=trust)
     if map_location is None:
         map_location = _restore_to(device_for_rank())
+    from ._bounds import check_storage_bounds
+
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": not trust}
     if fmt == ZIP and mmap:
         kwargs["mmap"] = True
     with open(source, "rb") as f:
-        return _checked_torch_load(torch, source, fmt, f, kwargs, trust, allow_globals)
-
-
-def _checked_torch_load(torch: Any, source: str, fmt: str, f: Any, kwargs: dict[str, Any], trust: bool, allow_globals: Sequence[Any]) -> Any:
-    from ._bounds import check_storage_bounds
-
-    # Records inside the file, declared sizes within their bytes: a damaged or hostile file
-    # cannot make torch allocate what the file does not hold.
-    check_storage_bounds(source, fmt, file=f)
-    # torch opens the file again (it needs a path to memory-map). /proc/self/fd names the file
-    # opened and checked above even if the path was replaced since (a trainer saving "latest").
-    pinned = f"/proc/self/fd/{f.fileno()}"
-    target = pinned if os.path.exists(pinned) else source
-    try:
-        if allow_globals and not trust:
-            with torch.serialization.safe_globals(list(allow_globals)):
-                return torch.load(target, **kwargs)
-        return torch.load(target, **kwargs)
-    except pickle.UnpicklingError as e:
-        if not trust:
-            try:
-                unsafe = unsafe_globals(source)
-            except CkptkitError:
-                unsafe = []
-            if unsafe:
-                raise UnsafeCheckpointError(
-                    f"{source}: refused to load: it needs {len(unsafe)} global(s) outside torch's weights-only "
-                    f"allowlist: {summarize(unsafe)}. Unpickling them could run arbitrary code. If you trust "
-                    "this file, allow just these types with allow_globals=[...], or pass trust=True "
-                    "(CLI: --trust)",
-                    unsafe,
-                ) from e
-        raise CheckpointFormatError(f"{source}: damaged checkpoint: {_weights_only_reason(e)}") from e
-    except PARSE_ERRORS as e:
-        kind = "legacy torch" if fmt == LEGACY else "torch zip"
-        raise CheckpointFormatError(f"{source}: damaged or truncated {kind} checkpoint: {_weights_only_reason(e)}") from e
+        # Records inside the file, declared sizes within their bytes: a damaged or hostile file
+        # cannot make torch allocate what the file does not hold.
+        check_storage_bounds(source, fmt, file=f)
+        # torch opens the file again (it needs a path to memory-map). /proc/self/fd names the file
+        # opened and checked above even if the path was replaced since (a trainer saving "latest").
+        pinned = f"/proc/self/fd/{f.fileno()}"
+        target = pinned if os.path.exists(pinned) else source
+        try:
+            if allow_globals and not trust:
+                with torch.serialization.safe_globals(list(allow_globals)):
+                    return torch.load(target, **kwargs)
+            return torch.load(target, **kwargs)
+        except pickle.UnpicklingError as e:
+            if not trust:
+                try:
+                    unsafe = unsafe_globals(target)
+                except CkptkitError:
+                    unsafe = []
+                if unsafe:
+                    raise UnsafeCheckpointError(
+                        f"{source}: refused to load: it needs {len(unsafe)} global(s) outside torch's weights-only "
+                        f"allowlist: {summarize(unsafe)}. Unpickling them could run arbitrary code. If you trust "
+                        "this file, allow just these types with allow_globals=[...], or pass trust=True "
+                        "(CLI: --trust)",
+                        unsafe,
+                    ) from e
+            raise CheckpointFormatError(f"{source}: damaged checkpoint: {_weights_only_reason(e)}") from e
+        except PARSE_ERRORS as e:
+            kind = "legacy torch" if fmt == LEGACY else "torch zip"
+            raise CheckpointFormatError(f"{source}: damaged or truncated {kind} checkpoint: {_weights_only_reason(e)}") from e
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:

@@ -259,7 +259,7 @@ def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[
                 out[name] = sf.get_tensor(name)
     except SafetensorError as e:
         raise CheckpointFormatError(f"{source}: {e}") from e
-    return _retie(out, meta, source), meta
+    return insert_aliases(out, parse_aliases(meta, out, source)), meta
 
 
 def parse_crcs(meta: Mapping[str, str], source: str) -> dict[str, int]:
@@ -290,11 +290,11 @@ def parse_aliases(meta: Mapping[str, str], names: Iterable[str], source: str) ->
     return placed
 
 
-def _retie(tensors: OrderedDict[str, Any], meta: Mapping[str, str], source: str) -> OrderedDict[str, Any]:
-    placed = parse_aliases(meta, tensors, source)
+def insert_aliases(entries: OrderedDict[str, Any], placed: list[tuple[int, str, str]]) -> OrderedDict[str, Any]:
+    """``entries`` with each alias put back at its position, as the same object as its target."""
     if not placed:
-        return tensors
-    items = list(tensors.items())
+        return entries
+    items = list(entries.items())
     for pos, alias, target in placed:
-        items.insert(min(pos, len(items)), (alias, tensors[target]))
+        items.insert(min(pos, len(items)), (alias, entries[target]))
     return OrderedDict(items)

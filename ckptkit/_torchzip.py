@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ._errors import PARSE_ERRORS, CheckpointFormatError, summarize
+from ._zipcheck import CENTRAL as _CENTRAL
+from ._zipcheck import LOCAL as _LOCAL
 from ._zipcheck import check_like_torch
 
-_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" sentinel
 ZIP64_AT = _U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
 _CHUNK = 64 << 20
@@ -98,21 +98,10 @@ class TorchZip:
             )
         self.by_name = {r.name: r for r in self.records}
         self._check_archive(central[0].filename if central else "")
-        self.byteorder = self._text_record("byteorder", "little")
-        if self.byteorder not in ("little", "big"):
-            raise CheckpointFormatError(f"{self.path}: byteorder record says {self.byteorder!r}, not little or big")
-        try:  # torch decodes it when it loads
-            (self._text_record(".data/serialization_id", "") or "").encode("latin-1").decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise CheckpointFormatError(f"{self.path}: .data/serialization_id is not text ({e})") from e
-        text = self._text_record(".storage_alignment", "64") or "64"
-        try:
-            self.alignment = max(1, int(text))
-        except ValueError as e:  # torch.load fails on it the same way
-            raise CheckpointFormatError(f"{self.path}: .storage_alignment record says {text[:20]!r}, not a number") from e
 
     def _check_archive(self, first: str) -> None:
-        """What torch's reader requires of the archive itself (inline_container.cc)."""
+        """What torch's reader requires of the archive and its small records (inline_container.cc,
+        torch.serialization); sets ``byteorder`` and ``alignment``."""
         if "/" not in first or first[: first.index("/") + 1] != self.prefix:
             raise CheckpointFormatError(
                 f"{self.path}: torch reads the folder of the first zip record ({first!r}), but data.pkl is in "
@@ -121,20 +110,32 @@ class TorchZip:
         stray = [r.name for r in self.records if not r.name.startswith(self.prefix)]
         if stray:
             raise CheckpointFormatError(f"{self.path}: records outside the archive folder {self.prefix!r}: {summarize(stray)}")
-        text = self._text_record(".data/version", None) or self._text_record("version", None)
-        if text is None:
+        version = self._record(".data/version")
+        version = self._record("version") if version is None else version
+        if version is None:
             raise CheckpointFormatError(f"{self.path}: the zip has no {self.prefix}version record")
-        number = re.match(r"\s*(\d+)", text)  # parsed as torch's stoull does: leading digits
+        number = re.match(rb"\s*(\d+)", version)  # parsed as torch's stoull does: leading digits
         if number is None or not 1 <= int(number.group(1)) <= MAX_FORMAT_VERSION:
             raise CheckpointFormatError(
-                f"{self.path}: version record says {text[:20]!r}; torch reads versions 1 to {MAX_FORMAT_VERSION}"
+                f"{self.path}: version record says {version[:20]!r}; torch reads versions 1 to {MAX_FORMAT_VERSION}"
             )
+        self.byteorder = (self._record("byteorder") or b"little").decode("latin-1")
+        if self.byteorder not in ("little", "big"):
+            raise CheckpointFormatError(f"{self.path}: byteorder record says {self.byteorder!r}, not little or big")
+        try:  # torch decodes it when it loads
+            (self._record(".data/serialization_id") or b"").decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointFormatError(f"{self.path}: .data/serialization_id is not text ({e})") from e
+        alignment = self._record(".storage_alignment") or b"64"
+        try:
+            self.alignment = max(1, int(alignment))
+        except ValueError as e:  # torch.load fails on it the same way
+            raise CheckpointFormatError(f"{self.path}: .storage_alignment record says {alignment[:20]!r}, not a number") from e
 
-    def _text_record(self, name: str, default: str | None) -> str | None:
+    def _record(self, name: str) -> bytes | None:
+        """The bytes of record ``<archive>/name``, or None if the zip has none."""
         rec = self.by_name.get(self.prefix + name)
-        if rec is None:
-            return default
-        return self.read(rec.name).decode("latin-1")
+        return None if rec is None else self.read(rec.name)
 
     def read(self, name: str) -> bytes:
         """A small record's bytes, CRC-checked."""

@@ -14,7 +14,8 @@ from typing import BinaryIO
 
 from ._errors import CheckpointFormatError
 
-_CENTRAL_SIZE = 46  # central directory header without its name, extra field and comment
+LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
+CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
 _UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000  # encrypted, patch data, strong encryption, masked
@@ -61,8 +62,8 @@ def check_like_torch(path: Path, f: BinaryIO, size: int, infos: list[zipfile.Zip
     # torch requires every header to fit within the size the end record gives.
     pos = 0
     for _ in range(total):
-        if directory[pos : pos + 4] != b"PK\x01\x02" or pos + _CENTRAL_SIZE > len(directory):
+        if directory[pos : pos + 4] != b"PK\x01\x02" or pos + CENTRAL.size > len(directory):
             raise CheckpointFormatError(f"{path}: the zip's central directory is damaged at byte {cd_offset + pos}")
-        pos += _CENTRAL_SIZE + sum(struct.unpack_from("<HHH", directory, pos + 28))
+        pos += CENTRAL.size + sum(struct.unpack_from("<HHH", directory, pos + 28))
         if pos > len(directory):
             raise CheckpointFormatError(f"{path}: a zip central directory header runs past the directory's end")
