@@ -18,6 +18,7 @@ LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
+_DOS_FOLDER = 0x10  # external attribute: miniz then treats the record as a folder, not a file
 _UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000  # encrypted, patch data, strong encryption, masked
 
 
@@ -34,6 +35,7 @@ def check_like_torch(path: Path, f: BinaryIO, size: int, infos: list[zipfile.Zip
             else f"is stored but its sizes differ ({i.compress_size} vs {i.file_size})"
             if i.compress_type == zipfile.ZIP_STORED and i.compress_size != i.file_size
             else f"claims to start on disk {i.volume} of a multi-disk archive" if i.volume not in (0, 1)
+            else "is marked as a folder" if i.external_attr & _DOS_FOLDER or i.filename.endswith("/")
             else None
         )  # fmt: skip
         if why:

@@ -93,6 +93,7 @@ DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
     "patch-data flag": lambda b, o: patch_central(b, o, "/data/0", 8, "<H", 0x20),
     "central header longer than the directory": lambda b, o: patch_central(b, o, "serialization_id", 32, "<H", 300),
     "serialization id not text": lambda b, o: rewrite_records(b, o, replace("serialization_id", b"\xb0" * 40)),
+    "a record marked as a folder": lambda b, o: patch_central(b, o, "serialization_id", 38, "<I", 0x10),
     "second disk of a multi-disk zip": lambda b, o: patch_central(b, o, "/data/0", 34, "<H", 2),
     "zip64 locator pointing past the file": lambda b, o: patch_at(b, o, b"PK\x06\x07", 8, "<Q", 1 << 40),
     "a record outside the archive folder": lambda b, o: rewrite_records(

@@ -68,6 +68,10 @@ input is a regression fixture (`fixtures/regressions/`) or a test.
   CRC-32s of the small metadata records it reads, which torch skips), no more:
   `tests/test_torch_agreement.py` has one file per rule that torch refuses, and odd files that
   torch reads must still verify and convert.
+- With that oracle the fuzzer (`--stress 4`) then found a record whose zip attributes mark it
+  as a folder: miniz treats it as one, and torch.load failed decoding
+  `.data/serialization_id`. Folder-marked records are now refused
+  (`fixtures/regressions/zip_record_marked_as_folder.pt`).
 - A big-endian torch checkpoint (byteorder `big`) converted to `.safetensors` had its bytes
   copied unswapped, so every value was wrong, silently. It now goes through torch, which swaps.
 - `convert` of a checkpoint that was being replaced (a trainer saving `latest`) read the pickle
