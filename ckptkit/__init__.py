@@ -1,7 +1,18 @@
 """ckptkit: PyTorch checkpoints that survive DP/DDP <-> single-device moves, and exact resume.
 
-Everything public is listed in ``__all__``. Attributes are imported on first use (PEP 562), so
-``import ckptkit`` does not import torch until a function that needs it is touched.
+The public API is ``__all__`` below, plus two public submodules: :mod:`ckptkit.errors` (every
+exception) and :mod:`ckptkit.prefix` (the key-renaming tools). Names are imported on first use
+(PEP 562), so ``import ckptkit`` does not import torch until a function that needs it is touched.
+The names of earlier releases that now live in those submodules (``ckptkit.UnsafeCheckpointError``,
+``ckptkit.detect_prefixes``...) still resolve here.
+
+Layers, each importing only those below it (``tests/test_architecture.py`` holds this):
+
+- ``ckptkit.cli`` and ``ckptkit.train``: clients of the public API only;
+- the public API: ``_convert``, ``_inspect``, ``_diff``, ``_verify``, ``_load``, ``_state``...;
+- ``ckptkit.dist`` (collectives, the rank-0 protocol, async saving, checkpoint folders,
+  preemption) beside the read/fit/prefix/layout/state/RNG/sampler modules;
+- ``ckptkit.formats``: torch-free readers and writers; it never imports torch.
 
 Example:
     >>> import ckptkit
@@ -14,73 +25,52 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._errors import (
-    ArgumentError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    CkptkitError,
-    DistributedError,
-    LayoutError,
-    ResumeError,
-    StateDictMismatchError,
-    UnsafeCheckpointError,
-)
+from .errors import CkptkitError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-_LAZY: dict[str, str] = {
-    "save_on_master": "._save",
-    "write_checkpoint": "._save",
+_PUBLIC: dict[str, str] = {
+    "save_on_master": ".dist.rank0",
+    "write_checkpoint": "._write",
     "load_for_rank": "._load",
-    "read_checkpoint": "._load",
-    "device_for_rank": "._load",
-    "strip_prefix": "._prefix",
-    "add_prefix": "._prefix",
-    "detect_prefixes": "._prefix",
-    "adapt_state_dict": "._prefix",
-    "rewrite_prefixes": "._prefix",
-    "PrefixInfo": "._prefix",
-    "WRAPPER_PREFIXES": "._prefix",
-    "find_model_state": "._layout",
-    "unwrap_model": "._unwrap",
+    "read_checkpoint": "._read",
+    "device_for_rank": "._devices",
     "save_training_state": "._state",
     "load_training_state": "._state",
     "TrainingState": "._state",
     "ResumableDistributedSampler": "._sampler",
-    "capture_rng_state": "._rng",
-    "restore_rng_state": "._rng",
+    "AsyncSaver": ".dist.async_save",
+    "CheckpointFolder": ".dist.folder",
+    "StopSignal": ".dist.preempt",
     "convert_checkpoint": "._convert",
-    "ConvertReport": "._convert",
     "inspect_checkpoint": "._inspect",
-    "CheckpointSummary": "._inspect",
     "diff_checkpoints": "._diff",
-    "DiffReport": "._diff",
     "verify_checkpoint": "._verify",
-    "VerifyReport": "._verify",
-    "AsyncSaver": "._async",
-    "CheckpointFolder": "._folder",
-    "StopSignal": "._preempt",
+    "unwrap_model": "._unwrap",
+    "strip_prefix": ".prefix",
+    "add_prefix": ".prefix",
 }
 
-__all__ = [
-    "ArgumentError",
-    "CheckpointFormatError",
-    "CheckpointNotFoundError",
-    "CheckpointWriteError",
-    "CkptkitError",
-    "DistributedError",
-    "LayoutError",
-    "ResumeError",
-    "StateDictMismatchError",
-    "UnsafeCheckpointError",
-    "__version__",
-    *_LAZY,
-]
+# Earlier releases exported these at the top level; they keep resolving.
+_ELSEWHERE: dict[str, str] = {
+    **{name: ".errors" for name in ("ArgumentError", "CheckpointFormatError", "CheckpointNotFoundError",
+                                    "CheckpointWriteError", "DistributedError", "LayoutError", "ResumeError",
+                                    "StateDictMismatchError", "UnsafeCheckpointError")},  # fmt: skip
+    **{name: ".prefix" for name in ("detect_prefixes", "adapt_state_dict", "rewrite_prefixes", "PrefixInfo", "WRAPPER_PREFIXES")},
+    "find_model_state": "._layout",
+    "capture_rng_state": "._rng",
+    "restore_rng_state": "._rng",
+    "ConvertReport": "._convert",
+    "CheckpointSummary": "._inspect",
+    "DiffReport": "._diff",
+    "VerifyReport": "._verify",
+}
+
+__all__ = ["CkptkitError", "__version__", *_PUBLIC]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module = _PUBLIC.get(name) or _ELSEWHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
@@ -93,26 +83,19 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._async import AsyncSaver
-    from ._convert import ConvertReport, convert_checkpoint
-    from ._diff import DiffReport, diff_checkpoints
-    from ._folder import CheckpointFolder
-    from ._inspect import CheckpointSummary, inspect_checkpoint
-    from ._layout import find_model_state
-    from ._load import device_for_rank, load_for_rank, read_checkpoint
-    from ._preempt import StopSignal
-    from ._prefix import (
-        WRAPPER_PREFIXES,
-        PrefixInfo,
-        adapt_state_dict,
-        add_prefix,
-        detect_prefixes,
-        rewrite_prefixes,
-        strip_prefix,
-    )
-    from ._rng import capture_rng_state, restore_rng_state
+    from ._convert import convert_checkpoint
+    from ._devices import device_for_rank
+    from ._diff import diff_checkpoints
+    from ._inspect import inspect_checkpoint
+    from ._load import load_for_rank
+    from ._read import read_checkpoint
     from ._sampler import ResumableDistributedSampler
-    from ._save import save_on_master, write_checkpoint
     from ._state import TrainingState, load_training_state, save_training_state
     from ._unwrap import unwrap_model
-    from ._verify import VerifyReport, verify_checkpoint
+    from ._verify import verify_checkpoint
+    from ._write import write_checkpoint
+    from .dist.async_save import AsyncSaver
+    from .dist.folder import CheckpointFolder
+    from .dist.preempt import StopSignal
+    from .dist.rank0 import save_on_master
+    from .prefix import add_prefix, strip_prefix

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ._layout import find_model_state
-from ._prefix import rewrite_prefixes
+from ._safety import AllowGlobals
+from .prefix import rewrite_prefixes
 
 
 @dataclass
@@ -42,10 +43,10 @@ class DiffReport:
         return {**asdict(self), "equal": self.equal}
 
 
-def _weights(path: str, key: str | None, trust: bool) -> Any:
-    from ._load import read_checkpoint
+def _weights(path: str, key: str | None, trust: bool, allow_globals: AllowGlobals) -> Any:
+    from ._read import read_checkpoint  # deferred: diff is reached from the CLI, which starts without torch
 
-    obj = read_checkpoint(path, map_location="cpu", trust=trust)
+    obj = read_checkpoint(path, map_location="cpu", trust=trust, allow_globals=allow_globals)
     return rewrite_prefixes(find_model_state(obj, key=key, source=path)[1], to="single")
 
 
@@ -84,6 +85,7 @@ def diff_checkpoints(
     key_a: str | None = None,
     key_b: str | None = None,
     trust: bool = False,
+    allow_globals: AllowGlobals = (),
 ) -> DiffReport:
     """Compare the model weights of two checkpoints across formats and wrapper prefixes.
 
@@ -96,7 +98,7 @@ def diff_checkpoints(
         True
     """
     pa, pb = os.fspath(a), os.fspath(b)
-    wa, wb = _weights(pa, key_a, trust), _weights(pb, key_b, trust)
+    wa, wb = _weights(pa, key_a, trust, allow_globals), _weights(pb, key_b, trust, allow_globals)
     report = DiffReport(pa, pb, atol=atol, rtol=rtol)
     report.only_in_a = [k for k in wa if k not in wb]
     report.only_in_b = [k for k in wb if k not in wa]

@@ -10,29 +10,33 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import CheckpointFormatError, LayoutError
-from ._formats import SAFETENSORS, ZIP, check_exists, checkpoint_globals, detect_format, filter_unsafe
 from ._layout import find_model_state
-from ._prefix import detect_prefixes
-
-_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32",
-             "U64": "uint64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-             "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz"}  # fmt: skip
+from ._safety import AllowGlobals, filter_unsafe
+from .errors import CheckpointFormatError, LayoutError
+from .formats import rewrite as fp
+from .formats import torchpickle as tp
+from .formats.detect import SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.dtypes import BY_SAFETENSORS
+from .formats.scan import checkpoint_globals
+from .prefix import detect_prefixes
 
 
 @dataclass
 class TensorInfo:
+    """One weight tensor. ``stored`` is the size of its storage, 0 when an earlier tensor
+    shares it (tied weights are stored once)."""
+
     name: str
     shape: list[int]
     dtype: str
     device: str
     nbytes: int
+    stored: int = 0
 
 
 @dataclass
@@ -49,6 +53,7 @@ class CheckpointSummary:
     metadata: dict[str, Any] = field(default_factory=dict)
     needs_trust: list[str] = field(default_factory=list)
     loaded_with_torch: bool = False
+    trusted: bool = False
 
     @property
     def numel(self) -> int:
@@ -56,10 +61,16 @@ class CheckpointSummary:
 
     @property
     def bytes_by_dtype(self) -> dict[str, int]:
+        """Bytes stored per dtype, each storage counted once (a tied weight is stored once)."""
         out: Counter[str] = Counter()
         for t in self.tensors:
-            out[t.dtype] += t.nbytes
+            out[t.dtype] += t.stored
         return dict(out.most_common())
+
+    @property
+    def shared(self) -> int:
+        """How many tensors share their storage with an earlier one (tied weights)."""
+        return sum(1 for t in self.tensors if t.stored == 0 and t.nbytes)
 
     @property
     def devices(self) -> dict[str, int]:
@@ -86,7 +97,8 @@ class CheckpointSummary:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(numel=self.numel, bytes_by_dtype=self.bytes_by_dtype, devices=self.devices, tensor_count=len(self.tensors))
+        d.update(numel=self.numel, bytes_by_dtype=self.bytes_by_dtype, devices=self.devices, tensor_count=len(self.tensors),
+                 shared=self.shared)  # fmt: skip
         return d
 
 
@@ -113,41 +125,49 @@ def _describe(value: Any, is_tensor: Any) -> tuple[str, str]:
     return type(value).__name__, ""
 
 
-def _fast(path: Path, fmt: str) -> tuple[Any, Any, Any, dict[str, Any]]:
-    from . import _fastpath as fp
-    from . import _lazy_pickle as lp
+_Info = Callable[[str, Any], tuple[TensorInfo, Any, int]]  # (info, storage identity, storage bytes)
 
+
+def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any]]:
     src = fp.open_source(path, fmt)
     src.close()  # the names, shapes and offsets are read; no tensor bytes are needed
 
-    def info(name: str, ref: Any) -> TensorInfo:
-        if isinstance(ref, fp.StRef):
-            dtype = _ST_NAMES.get(ref.dtype, ref.dtype)
-            return TensorInfo(name, list(ref.shape), dtype, "cpu", ref.length)
-        t = lp.tensor_of(ref)
+    def info(name: str, ref: Any) -> tuple[TensorInfo, Any, int]:
+        if isinstance(ref, fp.StRef):  # an alias is the same object as its target
+            dtype = BY_SAFETENSORS[ref.dtype].name if ref.dtype in BY_SAFETENSORS else ref.dtype
+            return TensorInfo(name, list(ref.shape), dtype, "cpu", ref.length), id(ref), ref.length
+        t = tp.tensor_of(ref)
         if t is None:
             raise CheckpointFormatError(f"{path}: entry {name} is not a tensor")
-        return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes)
+        return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), t.storage.key, tp.storage_nbytes(t.storage)
 
     meta: dict[str, Any] = dict(src.metadata or {})
     return src.obj, fp.is_leaf, info, meta
 
 
-def _with_torch(path: Path, trust: bool) -> tuple[Any, Any, Any, dict[str, Any]]:
+def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any]]:
     import torch
 
-    from ._load import read_checkpoint
+    from ._read import read_checkpoint  # deferred: the torch-free path above needs no torch
 
-    obj = read_checkpoint(path, map_location="cpu", trust=trust)
+    obj = read_checkpoint(path, map_location="cpu", trust=trust, allow_globals=allow_globals)
 
-    def info(name: str, t: Any) -> TensorInfo:
-        return TensorInfo(name, list(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), t.numel() * t.element_size())
+    def info(name: str, t: Any) -> tuple[TensorInfo, Any, int]:
+        storage = t.untyped_storage()
+        size = t.numel() * t.element_size()
+        return TensorInfo(name, list(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), size), storage.data_ptr(), storage.nbytes()
 
     return obj, lambda v: isinstance(v, torch.Tensor), info, {}
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], *, key: str | None = None, trust: bool = False) -> CheckpointSummary:
+def inspect_checkpoint(
+    path: str | os.PathLike[str], *, key: str | None = None, trust: bool = False, allow_globals: AllowGlobals = ()
+) -> CheckpointSummary:
     """Summarise a checkpoint: layout, where the weights are, prefixes, tensors, metadata.
+
+    Torch zip and safetensors files are read without torch (pickle or header only). A file
+    whose pickle needs globals outside torch's allowlist (and ``allow_globals``) is described
+    by what it needs (``needs_trust``) unless ``trust`` is given.
 
     Example:
         >>> s = inspect_checkpoint("fixtures/ddp.pt")  # doctest: +SKIP
@@ -159,36 +179,42 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, key: str | None = None, 
     summary = CheckpointSummary(str(p), fmt, p.stat().st_size if p.is_file() else _folder_size(p))
     loaded = None
     if fmt in (ZIP, SAFETENSORS) and not trust:
-        from ._lazy_pickle import UnsupportedGlobal
-
         try:
             loaded = _fast(p, fmt)
-        except UnsupportedGlobal:
-            unsafe = filter_unsafe(checkpoint_globals(p))
+        except tp.UnsupportedGlobal:
+            unsafe = filter_unsafe(checkpoint_globals(p), allow_globals)
             if unsafe:
                 # Describe what we can without running anything: the globals it needs.
                 summary.needs_trust = unsafe
                 return summary
     if loaded is None:
-        loaded = _with_torch(p, trust)
-        summary.loaded_with_torch = True
+        loaded = _with_torch(p, trust, allow_globals)
+        summary.loaded_with_torch, summary.trusted = True, trust
     obj, is_tensor, info, meta = loaded
     summary.metadata = meta
-    if isinstance(obj, Mapping):
+    try:
+        where, state = find_model_state(obj, key=key, is_tensor=is_tensor, source=str(p))
+    except LayoutError:
+        where, state = None, {}
+    if isinstance(obj, Mapping) and where != ():  # a bare state dict's entries are its tensors, listed below
         for k, v in obj.items():
             kind, detail = _describe(v, is_tensor)
             summary.entries.append({"name": str(k), "kind": kind, "detail": detail})
         ck = obj.get("ckptkit")
         if isinstance(ck, Mapping):
             summary.metadata.update({f"ckptkit.{k}": str(v) for k, v in ck.items()})
-    try:
-        where, state = find_model_state(obj, key=key, is_tensor=is_tensor, source=str(p))
-    except LayoutError:
+    if where is None:
         return summary
     summary.weights_at = "/".join(where)
-    info_prefix = detect_prefixes(state)
-    summary.prefixes = {"leading": list(info_prefix.leading), "nested": list(info_prefix.nested), "common": info_prefix.common}
-    summary.tensors = [info(k, v) for k, v in state.items() if is_tensor(v)]
+    found = detect_prefixes(state)
+    summary.prefixes = {"leading": list(found.leading), "nested": list(found.nested), "common": found.common}
+    seen: set[Any] = set()
+    for k, v in state.items():
+        if is_tensor(v):
+            t, storage, size = info(k, v)
+            t.stored = 0 if storage in seen else size
+            seen.add(storage)
+            summary.tensors.append(t)
     return summary
 
 

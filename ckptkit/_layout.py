@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._errors import LayoutError, summarize
+from .errors import LayoutError, summarize
 
 MODEL_KEYS: tuple[str, ...] = ("state_dict", "model", "model_state_dict", "module", "net", "network", "weights")
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from . import _dist
-from ._errors import ArgumentError, ResumeError
+from .dist import collectives as _dist
+from .errors import ArgumentError, ResumeError
 
 
 class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]

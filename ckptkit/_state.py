@@ -19,12 +19,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _dist
-from ._errors import ArgumentError, ResumeError
-from ._load import MapLocation, load_into_model, read_checkpoint
+from ._devices import MapLocation
+from ._fit import load_into_model
+from ._read import read_checkpoint
 from ._rng import capture_rng_state, restore_rng_state
-from ._save import save_on_master
+from ._safety import AllowGlobals
 from ._unwrap import unwrap_model
+from .dist import collectives as _dist
+from .dist.rank0 import save_on_master
+from .errors import ArgumentError, ResumeError
 
 FORMAT = 1
 
@@ -188,6 +191,7 @@ def load_training_state(
     restore_rng: bool = True,
     map_location: MapLocation = None,
     trust: bool = False,
+    allow_globals: AllowGlobals = (),
 ) -> TrainingState:
     """Restore what :func:`save_training_state` saved, in a fixed order.
 
@@ -208,7 +212,7 @@ def load_training_state(
         >>> for epoch in range(state.epoch, epochs): ...  # doctest: +SKIP
     """
     source = os.fspath(path)
-    ckpt = read_checkpoint(source, map_location=map_location, trust=trust)
+    ckpt = read_checkpoint(source, map_location=map_location, trust=trust, allow_globals=allow_globals)
     meta = ckpt.get("ckptkit") if isinstance(ckpt, Mapping) else None
     if not isinstance(meta, Mapping) or meta.get("kind") != "training_state":
         raise ResumeError(f"{source}: not a ckptkit training state (save it with save_training_state)")

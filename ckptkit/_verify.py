@@ -1,53 +1,88 @@
-"""``ckptkit verify``: is this checkpoint intact, and can it be loaded without trusting it?
+"""Is this checkpoint intact, and can it be loaded without trusting it? One function answers
+for every format, and the report it returns owns the decision to load.
 
-Every check is listed with its outcome. Nothing runs pickled code: pickles are read through
-stand-ins or scanned opcode by opcode; torch is used only for files whose globals all passed
-torch's weights-only allowlist.
+Nothing runs pickled code: pickles are read through stand-ins or scanned opcode by opcode;
+torch loads only files whose globals all passed torch's weights-only allowlist.
 """
 
 from __future__ import annotations
 
+import io
 import os
-from dataclasses import asdict, dataclass, field
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, summarize
-from ._formats import (
-    DCP,
-    LEGACY,
-    SAFETENSORS,
-    ZIP,
-    check_exists,
-    checkpoint_globals,
-    detect_format,
-    filter_unsafe,
-    pickle_globals,
-)
+from ._safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
+from .errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, spell, summarize
+from .formats.dcp import unsafe_metadata_globals
+from .formats.detect import DCP, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.integrity import Check, safetensors_checks, zip_checks
+from .formats.scan import checkpoint_globals, pickle_globals
+from .formats.torchzip import TorchZip
 
 
 @dataclass
 class VerifyReport:
-    """Each check as ``{"check", "ok", "detail"}``; ``ok`` is True when all passed."""
+    """Each check with its kind (integrity or safety) and outcome.
+
+    Attributes:
+        path: what was checked.
+        format: ``torch-zip``, ``torch-legacy``, ``safetensors``, ``dcp`` or ``unknown``.
+        checks: every :class:`~ckptkit.formats.integrity.Check`, in the order run.
+        error: the error that stopped checking early (no such file, not a checkpoint).
+    """
 
     path: str
     format: str = "unknown"
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    error: CkptkitError | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
-        return all(c["ok"] for c in self.checks)
+        """Every check passed."""
+        return self.error is None and all(c.ok for c in self.checks)
 
-    def add(self, check: str, ok: bool, detail: str = "") -> bool:
-        self.checks.append({"check": check, "ok": ok, "detail": detail})
-        return ok
+    @property
+    def intact(self) -> bool:
+        """Every integrity check passed (safety aside): the bytes are what the file says."""
+        return self.error is None and all(c.ok for c in self.checks if c.kind == "integrity")
+
+    def gate(self, *, trust: bool = False, allow_globals: AllowGlobals = ()) -> None:
+        """Raise unless a load with these options should go ahead.
+
+        Damage always stops it; what the file needs beyond torch's allowlist stops it unless
+        ``trust`` or ``allow_globals`` admits it.
+
+        Raises:
+            CheckpointFormatError: an integrity check failed.
+            UnsafeCheckpointError: a safety check failed and the options do not admit it.
+        """
+        if self.error is not None:
+            raise self.error
+        damage = [f"{c.name}: {c.detail}" for c in self.checks if c.kind == "integrity" and not c.ok]
+        if damage:
+            raise CheckpointFormatError(f"{self.path}: failed verification: {'; '.join(damage)}")
+        if trust:
+            return
+        allowed = {global_name(g) for g in resolve_globals(allow_globals)}
+        needs = [g for c in self.checks if c.kind == "safety" and not c.ok for g in c.needs if g not in allowed]
+        if needs:
+            raise unsafe_error(self.path, list(dict.fromkeys(needs)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return {"path": self.path, "format": self.format, "ok": self.ok, "checks": [c.to_dict() for c in self.checks]}
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
+def verify_checkpoint(path: str | os.PathLike[str], *, full: bool = True) -> VerifyReport:
     """Check integrity (zip CRCs, header bounds, storage extents, DCP shards) and safety.
+
+    Args:
+        path: a checkpoint file or DCP folder.
+        full: read every payload byte (CRC-32s) and try a weights-only load where the
+            torch-free checks cannot judge the pickle. ``False`` checks structure only (headers,
+            pickles, bounds, shard sizes): what picking a checkpoint to resume from needs.
 
     Example:
         >>> verify_checkpoint("fixtures/ddp.pt").ok  # doctest: +SKIP
@@ -58,121 +93,73 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
         p = check_exists(path)
         report.format = detect_format(p)
     except CkptkitError as e:
-        report.add("format", False, str(e))
+        report.error = e
+        report.checks.append(Check("format", "integrity", False, str(e)))
         return report
-    report.add("format", True, report.format)
+    report.checks.append(Check("format", "integrity", True, report.format))
     check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp}[report.format]
     try:
-        check(p, report)
+        report.checks += check(p, full)
     except CkptkitError as e:
-        report.add("structure", False, str(e))
+        report.checks.append(Check("structure", "integrity", False, str(e)))
     return report
 
 
-def _globals_safe(p: Path, report: VerifyReport) -> bool:
+def _globals_safe(p: Path) -> Check:
     unsafe = filter_unsafe(checkpoint_globals(p))
-    return report.add(
-        "safe to load",
-        not unsafe,
-        f"needs --trust: pickle names {summarize(unsafe)}" if unsafe else "only weights-only globals",
-    )
+    options = f"{spell('allow_globals=[...]', '--allow-global NAME')} or {spell('trust=True', '--trust')}"
+    detail = f"pickle names {summarize(unsafe)}, outside torch's allowlist: needs {options}" if unsafe else "only weights-only globals"
+    return Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))
 
 
-def _zip(p: Path, report: VerifyReport) -> None:
-    from ._torchzip import TorchZip
-
-    z = TorchZip(p)
-    try:
-        _zip_checks(p, z, report)
-    finally:
-        z.close()
-
-
-def _zip_checks(p: Path, z: Any, report: VerifyReport) -> None:
-    from . import _lazy_pickle as lp
-    from ._bounds import tensor_problems
-    from ._torchzip import crc_of_range
-
-    report.add("zip structure", True, f"{len(z.records)} records")
-    bad = []
-    for rec in z.records:  # read through z.file: the version opened, even if the path is replaced
-        if rec.method == 0 and crc_of_range(z.file, rec.data_offset, rec.compressed_size) != rec.crc:
-            bad.append(rec.name)
-    report.add("CRC-32 of every record", not bad, f"damaged: {summarize(bad)}" if bad else f"{len(z.records)} records match")
-    try:
-        obj = lp.loads(z.read(f"{z.prefix}data.pkl"))
-    except lp.UnsupportedGlobal:
-        if _globals_safe(p, report):
-            _torch_loads(p, report)
-        return
-    report.add("safe to load", True, "only tensors, containers and plain values")
-    problems = tensor_problems(obj, z)
-    report.add("tensors fit their storages", not problems, summarize(problems, 3) if problems else "all in bounds")
-
-
-def _torch_loads(p: Path, report: VerifyReport) -> None:
-    from ._load import read_checkpoint
+def _torch_loads(p: Path, fmt: Any) -> Check:
+    from ._torchload import torch_load  # deferred: verify runs without torch where the checks above suffice
 
     try:
-        read_checkpoint(p, map_location="cpu")
+        torch_load(str(p), fmt, map_location="cpu", trust=False, allow_globals=(), mmap=True)
     except CkptkitError as e:
-        report.add("loads with torch (weights-only)", False, str(e))
-    else:
-        report.add("loads with torch (weights-only)", True)
+        return Check("loads with torch (weights-only)", "integrity", False, str(e))
+    return Check("loads with torch (weights-only)", "integrity", True)
 
 
-def _safetensors(p: Path, report: VerifyReport) -> None:
+def _zip(p: Path, full: bool) -> list[Check]:
+    with TorchZip(p) as z:  # every read through one open file: the version opened, even if replaced
+        checks, needs_torch = zip_checks(z, full=full)
+    if needs_torch:
+        checks.append(safe := _globals_safe(p))
+        if safe.ok and full:
+            checks.append(_torch_loads(p, ZIP))
+    return checks
 
-    from ._safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
-    from ._torchzip import crc_of_range
 
+def _safetensors(p: Path, full: bool) -> list[Check]:
     with open(p, "rb") as f:
-        header, start = read_header(f, source=str(p))
-        meta = header.pop("__metadata__", None) or {}
-        report.add("header and offsets", True, f"{len(header)} tensors, dtypes known, offsets in bounds, no overlap or gap")
-        if ALIASES_KEY in meta:
-            try:
-                detail = f"{len(parse_aliases(meta, header, str(p)))} alias(es), each naming a stored tensor"
-            except CheckpointFormatError as e:
-                report.add("tied tensors", False, str(e))
-                return
-            report.add("tied tensors", True, detail)
-        if CRC_KEY not in meta:
-            report.add("checksums", True, "none recorded (not written by ckptkit): a flipped bit in tensor data cannot be detected")
-            return
-        try:
-            recorded = parse_crcs(meta, str(p))
-        except CheckpointFormatError as e:
-            report.add("CRC-32 of every tensor", False, str(e))
-            return
-        bad = [n for n, e in header.items() if n in recorded and crc_of_range(f, start + e["data_offsets"][0],
-               e["data_offsets"][1] - e["data_offsets"][0]) != recorded[n]]  # fmt: skip
-        unchecked = [n for n in header if n not in recorded]
-    detail = f"damaged: {summarize(bad)}" if bad else f"{len(header) - len(unchecked)} tensors match"
-    report.add("CRC-32 of every tensor", not bad, detail + (f"; no CRC for {summarize(unchecked)}" if unchecked else ""))
+        return safetensors_checks(f, str(p), full=full)
 
 
-def _legacy(p: Path, report: VerifyReport) -> None:
-    if _globals_safe(p, report):
-        _torch_loads(p, report)
-    report.add("checksums", True, "the legacy format stores none; convert to torch zip to get CRC-32s")
+def _legacy(p: Path, full: bool) -> list[Check]:
+    checks = [_globals_safe(p)]
+    if checks[0].ok and full:
+        checks.append(_torch_loads(p, LEGACY))
+    if full:
+        checks.append(Check("checksums", "integrity", True, "the legacy format stores none; convert to torch zip to get CRC-32s"))
+    return checks
 
 
-def _dcp(p: Path, report: VerifyReport) -> None:
-    from ._dcp import _safe, metadata_globals
-
-    unsafe = [g for g in metadata_globals(p) if not _safe(g)]
-    if not report.add("safe to load", not unsafe, f"needs --trust: .metadata names {summarize(unsafe)}" if unsafe else "DCP metadata classes only"):
-        return
+def _dcp(p: Path, full: bool) -> list[Check]:
+    unsafe = unsafe_metadata_globals(p)
+    detail = f"needs {spell('trust=True', '--trust')}: .metadata names {summarize(unsafe)}" if unsafe else "DCP metadata classes only"
+    checks = [Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))]
+    if unsafe:
+        return checks
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         meta = FileSystemReader(str(p)).read_metadata()
     except Exception as e:  # .metadata passed the allowlist; anything else is damage
-        report.add("metadata", False, f"{type(e).__name__}: {e}")
-        return
-    report.add("metadata", True, f"{len(meta.state_dict_metadata)} entries")
-    _dcp_entries(p, meta, report)
+        return [*checks, Check("metadata", "integrity", False, f"{type(e).__name__}: {e}")]
+    checks.append(Check("metadata", "integrity", True, f"{len(meta.state_dict_metadata)} entries"))
+    checks += _dcp_entries(p, meta)
     problems, sizes = [], {}
     for index, info in (meta.storage_data or {}).items():
         shard = p / info.relative_path
@@ -182,17 +169,16 @@ def _dcp(p: Path, report: VerifyReport) -> None:
             problems.append(f"{info.relative_path} missing ({index.fqn})")
         elif info.offset + info.length > sizes[shard]:
             problems.append(f"{index.fqn}: bytes {info.offset}+{info.length} past the end of {info.relative_path}")
-    report.add("shards present and long enough", not problems, summarize(sorted(set(problems)), 3) if problems else f"{len(sizes)} shard file(s)")
+    detail = summarize(sorted(set(problems)), 3) if problems else f"{len(sizes)} shard file(s)"
+    return [*checks, Check("shards present and long enough", "integrity", not problems, detail)]
 
 
-def _dcp_entries(p: Path, meta: Any, report: VerifyReport) -> None:
+def _dcp_entries(p: Path, meta: Any) -> list[Check]:
     """Non-tensor DCP entries are torch.save'd pickles inside the shards: list their globals."""
-    import io
-    import zipfile
-
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     unsafe: dict[str, list[str]] = {}
+    unreadable: list[str] = []
     for index, info in (meta.storage_data or {}).items():
         if not isinstance(meta.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
@@ -206,10 +192,15 @@ def _dcp_entries(p: Path, meta: Any, report: VerifyReport) -> None:
             with zipfile.ZipFile(io.BytesIO(blob)) as zf:
                 names = [g for n in zf.namelist() if n.endswith("data.pkl") for g in pickle_globals(zf.read(n))]
         except (CkptkitError, *PARSE_ERRORS):  # type: ignore[misc]
-            unsafe[index.fqn] = ["<unreadable pickle>"]
+            unreadable.append(index.fqn)
             continue
         bad = filter_unsafe(names)
         if bad:
             unsafe[index.fqn] = bad
     shown = [f"{fqn}: {', '.join(g)}" for fqn, g in unsafe.items()]
-    report.add("non-tensor entries safe to load", not unsafe, f"needs --trust: {summarize(shown, 3)}" if unsafe else "weights-only globals")
+    detail = f"needs {spell('trust=True', '--trust')}: {summarize(shown, 3)}" if unsafe else "weights-only globals"
+    needs = tuple(dict.fromkeys(g for gs in unsafe.values() for g in gs))
+    checks = [Check("non-tensor entries safe to load", "safety", not unsafe, detail, needs)]
+    if unreadable:
+        checks.append(Check("non-tensor entries readable", "integrity", False, f"damaged pickles: {summarize(unreadable)}"))
+    return checks

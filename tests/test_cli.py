@@ -11,8 +11,8 @@ import torch.nn as nn
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit._atomic import TMP_SUFFIX
 from ckptkit.cli import main
+from ckptkit.formats.atomic import TMP_SUFFIX
 from fixtures.models import TiedLM, TinyNet
 
 ALL_FIXTURES = ["plain.pt", "ddp.pt", "dp.pth", "compiled.pt", "compiled_of_ddp.pt", "ddp_of_compiled.pt",
@@ -41,7 +41,7 @@ def no_temps(folder: Path) -> bool:
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_convert_every_fixture_to_single(fixtures_dir: Path, tmp_path: Path, name: str, suffix: str) -> None:
     dst = tmp_path / f"single{suffix}"
-    extra = ["--weights-only"] if name in ("train_ckpt.pt", "cuda0_ddp.pt", "lightning.ckpt") and suffix == ".safetensors" else []
+    extra = ["--model-only"] if name in ("train_ckpt.pt", "cuda0_ddp.pt", "lightning.ckpt") and suffix == ".safetensors" else []
     if name == "lightning.ckpt":
         extra += ["--strip", "model."]
     code, out, err = run("convert", fixtures_dir / name, dst, *extra)
@@ -120,7 +120,7 @@ def test_json_report(fixtures_dir: Path, tmp_path: Path) -> None:
         (["ddp.pt", "{fx}/ddp.pt", "--force"], 2, "is the source file"),
         (["nope.pt", "{tmp}/o.pt"], 1, "no such file"),
         (["needs_trust.pt", "{tmp}/o.pt"], 1, "argparse.Namespace"),
-        (["train_ckpt.pt", "{tmp}/o.safetensors"], 2, "pass --weights-only"),
+        (["train_ckpt.pt", "{tmp}/o.safetensors"], 2, "pass --model-only"),
         (["ddp.pt", "{tmp}/missing/o.pt"], 1, "does not exist; create the folder first"),
         (["train_ckpt.pt", "{tmp}/o.pt", "--key", "ema"], 1, "no entry 'ema'"),
     ],
@@ -237,7 +237,9 @@ def test_diff_tolerance(tmp_path: Path) -> None:
 
 def test_verify_detects_a_flipped_payload_bit(fixtures_dir: Path, tmp_path: Path) -> None:
     data = bytearray((fixtures_dir / "ddp.pt").read_bytes())
-    z = ckptkit._torchzip.TorchZip(fixtures_dir / "ddp.pt")  # type: ignore[attr-defined]
+    from ckptkit.formats.torchzip import TorchZip
+
+    z = TorchZip(fixtures_dir / "ddp.pt")
     rec = z.storage("0")
     data[rec.data_offset + 5] ^= 0x10
     (tmp_path / "flipped.pt").write_bytes(bytes(data))

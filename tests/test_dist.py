@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit._atomic import TMP_SUFFIX
+from ckptkit.formats.atomic import TMP_SUFFIX
 from tests import dist_workers as w
 from tests.group import ok_values, run_group
 

@@ -41,20 +41,22 @@ def test_conversions_keep_checksums_valid(fixtures_dir: Path, tmp_path: Path, ro
     assert ckptkit.convert_checkpoint(fixtures_dir / src, out).fast
     report = ckptkit.verify_checkpoint(out)
     assert report.ok, report.checks
-    crc_check = [c for c in report.checks if c["check"].startswith("CRC-32")]
-    assert crc_check and crc_check[0]["ok"]  # checksums present and matching, not merely absent
+    crc_check = [c for c in report.checks if c.name.startswith("CRC-32")]
+    assert crc_check and crc_check[0].ok  # checksums present and matching, not merely absent
 
 
 def test_foreign_safetensors_says_it_has_no_checksums(fixtures_dir: Path) -> None:
     report = ckptkit.verify_checkpoint(fixtures_dir / "ddp.safetensors")  # written by safetensors itself
     assert report.ok
-    assert any("cannot be detected" in c["detail"] for c in report.checks)
+    assert any("cannot be detected" in c.detail for c in report.checks)
 
 
 def test_load_for_rank_verify_catches_a_zip_payload_flip(fixtures_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "flipped.pt"
     path.write_bytes((fixtures_dir / "ddp.pt").read_bytes())
-    rec = ckptkit._torchzip.TorchZip(path).storage("0")  # type: ignore[attr-defined]
+    from ckptkit.formats.torchzip import TorchZip
+
+    rec = TorchZip(path).storage("0")
     data = bytearray(path.read_bytes())
     data[rec.data_offset] ^= 0x04
     path.write_bytes(bytes(data))

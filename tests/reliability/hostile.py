@@ -44,7 +44,7 @@ SAFETENSORS_CASES: dict[str, bytes] = {
 
 
 def _zip_regions(path: Path) -> dict[str, tuple[int, int]]:
-    from ckptkit._torchzip import TorchZip
+    from ckptkit.formats.torchzip import TorchZip
 
     z = TorchZip(path)
     pkl = z.by_name[f"{z.prefix}data.pkl"]
@@ -139,7 +139,7 @@ def check_library(path: Path, out: Path) -> list[str]:
         "load_for_rank(verify)": lambda: ckptkit.load_for_rank(path, verify=True),
         "inspect_checkpoint": lambda: ckptkit.inspect_checkpoint(path),
         "verify_checkpoint": lambda: ckptkit.verify_checkpoint(path),
-        "convert_checkpoint": lambda: ckptkit.convert_checkpoint(path, out, force=True, weights_only=True),
+        "convert_checkpoint": lambda: ckptkit.convert_checkpoint(path, out, force=True, model_only=True),
     }
     results: dict[str, Any] = {}
     for name, call in calls.items():

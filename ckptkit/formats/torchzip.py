@@ -13,23 +13,19 @@ import os
 import re
 import struct
 import zipfile
-import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ._errors import PARSE_ERRORS, CheckpointFormatError, summarize
-from ._zipcheck import CENTRAL as _CENTRAL
-from ._zipcheck import LOCAL as _LOCAL
-from ._zipcheck import check_like_torch
+from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
+from .fileio import Progress, copy_range, crc32
+from .zipcheck import CENTRAL as _CENTRAL
+from .zipcheck import LOCAL as _LOCAL
+from .zipcheck import check_like_torch
 
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" sentinel
 ZIP64_AT = _U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
-_CHUNK = 64 << 20
 MAX_FORMAT_VERSION = 10  # kMaxSupportedFileFormatVersion of torch's reader (10 in torch 2.13)
-
-Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -64,6 +60,12 @@ class TorchZip:
 
     def close(self) -> None:
         self.file.close()
+
+    def __enter__(self) -> TorchZip:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _open(self) -> None:
         f = self.file
@@ -147,7 +149,7 @@ class TorchZip:
                 raise CheckpointFormatError(f"{self.path}: cannot read record {name} ({type(e).__name__}: {e})") from e
         self.file.seek(rec.data_offset)
         data = self.file.read(rec.compressed_size)
-        if zlib.crc32(data) != rec.crc:
+        if crc32(data) != rec.crc:
             raise CheckpointFormatError(f"{self.path}: record {name} fails its CRC-32 check (the file is damaged)")
         return data
 
@@ -157,55 +159,6 @@ class TorchZip:
             raise CheckpointFormatError(f"{self.path}: the pickle refers to storage {key}, which the zip lacks")
         return rec
 
-
-
-def _writeback_starter() -> Callable[[int, int, int], None]:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where libc has it, else a no-op.
-
-    Starting writeback of each chunk as soon as it is copied lets the disk work while the copy
-    goes on, so the fsync at the end (durability) waits for the tail only, not the whole file.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return lambda fd, offset, n: None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return lambda fd, offset, n: None if fn(fd, offset, n, 2) == 0 else None
-
-
-_start_writeback = _writeback_starter()
-
-
-def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, length: int, progress: Progress | None = None) -> None:
-    """Append ``length`` bytes of ``src`` from ``offset`` to ``dst``, in the kernel when it can."""
-    dst.flush()
-    out, inp = dst.fileno(), src.fileno()
-    written_at = os.lseek(out, 0, os.SEEK_CUR)
-    done = 0
-    use_kernel = hasattr(os, "copy_file_range")
-    while done < length:
-        step = min(_CHUNK, length - done)
-        n = 0
-        if use_kernel:
-            try:
-                n = os.copy_file_range(inp, out, step, offset + done)
-            except OSError:  # cross-device on old kernels, or a filesystem without support
-                use_kernel = False
-        if not use_kernel:
-            src.seek(offset + done)
-            chunk = src.read(step)
-            dst.write(chunk)
-            dst.flush()
-            n = len(chunk)
-        if n <= 0:
-            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
-        _start_writeback(out, written_at + done, n)
-        done += n
-        if progress is not None:
-            progress(n)
 
 
 class ZipWriter:
@@ -229,7 +182,7 @@ class ZipWriter:
         self.entries.append((name, crc, csize, size, method, offset))
 
     def add_bytes(self, name: str, data: bytes) -> None:
-        self._header(name.encode(), zlib.crc32(data), len(data), len(data), zipfile.ZIP_STORED)
+        self._header(name.encode(), crc32(data), len(data), len(data), zipfile.ZIP_STORED)
         self.f.write(data)
 
     def add_copy(self, name: str, src: BinaryIO, rec: Record, progress: Progress | None = None) -> None:
@@ -267,17 +220,3 @@ class ZipWriter:
                 _U32 if cd_size >= ZIP64_AT else cd_size, _U32 if start >= ZIP64_AT else start, 0,
             )  # fmt: skip
         )
-
-
-def crc_of_range(src: BinaryIO, offset: int, length: int) -> int:
-    """CRC-32 of a byte range, read in bounded chunks."""
-    crc = 0
-    src.seek(offset)
-    left = length
-    while left:
-        chunk = src.read(min(8 << 20, left))  # small chunks: verify keeps little memory
-        if not chunk:
-            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + length - left}")
-        crc = zlib.crc32(chunk, crc)
-        left -= len(chunk)
-    return crc

@@ -1,13 +1,14 @@
 """Read a torch.distributed.checkpoint (DCP) folder into one state dict, safely.
 
 torch reads DCP's ``.metadata`` with plain ``pickle.load`` and non-tensor entries with
-``torch.load(weights_only=False)``: a hostile folder runs code. ckptkit first lists the
-globals in ``.metadata`` without running them and admits only DCP's own metadata classes,
-and loads non-tensor entries weights-only, unless the caller trusts the folder.
+``torch.load(weights_only=False)``: a hostile folder runs code. ckptkit first lists the globals
+in ``.metadata`` without running them and admits only DCP's own metadata classes (and what the
+caller allows), and loads non-tensor entries weights-only, unless the caller trusts the folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -15,53 +16,49 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ._errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, summarize
-from ._formats import ClampedReader, filter_unsafe, pickle_globals
-from ._lazy_pickle import DTYPES
-
-_DCP_CLASSES = ("torch.distributed.checkpoint.metadata.", "torch.distributed.checkpoint.filesystem._StorageInfo")
-_OTHER_SAFE = frozenset(
-    {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict", "builtins.set", "builtins.frozenset",
-     "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.WindowsPath", "pathlib.PureWindowsPath",
-     "torch.strided", "torch.contiguous_format"}
-)  # fmt: skip
+from ._devices import MapLocation, single_device
+from ._safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
+from .errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, spell, summarize
+from .formats.dcp import unsafe_metadata_globals
+from .formats.scan import pickle_globals
 
 
-def _safe(name: str) -> bool:
-    if name in _OTHER_SAFE or name.startswith(_DCP_CLASSES[0]) or name == _DCP_CLASSES[1]:
-        return True
-    module, _, attr = name.rpartition(".")
-    return module == "torch" and attr in DTYPES
+def read_dcp(
+    path: str | os.PathLike[str], *, trust: bool = False, allow_globals: AllowGlobals = (), map_location: MapLocation = None
+) -> dict[str, Any]:
+    """Load a DCP folder into a nested dict of tensors and values.
 
-
-def metadata_globals(path: str | os.PathLike[str]) -> list[str]:
-    """The globals a DCP folder's ``.metadata`` pickle names, in first-use order."""
-    meta = Path(path) / ".metadata"
-    with open(meta, "rb") as f:
-        return list(dict.fromkeys(pickle_globals(ClampedReader(f))))  # type: ignore[arg-type]
-
-
-def read_dcp(path: str | os.PathLike[str], *, trust: bool = False) -> dict[str, Any]:
-    """Load a DCP folder into a nested dict of CPU tensors and values.
+    Tensors land on ``map_location`` (a device), or on this rank's device by default.
 
     Raises:
-        UnsafeCheckpointError: ``.metadata`` names globals outside DCP's own classes.
+        UnsafeCheckpointError: ``.metadata`` names globals outside DCP's own classes and
+            ``allow_globals``, or an entry needs globals outside torch's allowlist.
         CheckpointFormatError: metadata or shards are missing or damaged.
+        ArgumentError: ``map_location`` is not a device.
     """
     folder = Path(path)
+    device = single_device(map_location, str(folder), "a torch.distributed.checkpoint folder")
+    allowed = resolve_globals(allow_globals)
     try:
-        unsafe = [g for g in metadata_globals(folder) if not _safe(g)]
+        unsafe = unsafe_metadata_globals(folder)
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"{folder}/.metadata: {e}") from e
+    unsafe = [g for g in unsafe if g not in {global_name(a) for a in allowed}]
     if unsafe and not trust:
         raise UnsafeCheckpointError(
             f"{folder}: refused to load: its .metadata needs {len(unsafe)} global(s) beyond DCP's own metadata "
             f"classes: {summarize(unsafe)}. torch would unpickle them with plain pickle, which can run code. "
-            "If you trust this folder, pass trust=True (CLI: --trust)",
+            f"If you trust this folder, pass {spell('trust=True', '--trust')}",
             unsafe,
         )
+    state = _load(folder, trust, allowed)
+    return _to_device(state, device) if device != "cpu" else state
+
+
+def _load(folder: Path, trust: bool, allowed: list[Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -71,18 +68,17 @@ def read_dcp(path: str | os.PathLike[str], *, trust: bool = False) -> dict[str, 
                 return super().load_bytes(read_item, value)
             fqn = read_item.dest_index.fqn
             try:
-                obj = torch.load(value, weights_only=True)
+                with torch.serialization.safe_globals(allowed) if allowed else contextlib.nullcontext():
+                    obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
                 value.seek(0)
-                raise _unsafe_entry(folder, fqn, value) from e
+                raise _unsafe_entry(folder, fqn, value, allowed) from e
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._nested_dict import set_element  # type: ignore[import-not-found]
 
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
-
-    from torch.distributed.checkpoint.api import CheckpointException
 
     state: dict[str, Any] = {}
     try:
@@ -100,6 +96,18 @@ def read_dcp(path: str | os.PathLike[str], *, trust: bool = False) -> dict[str, 
     return state
 
 
+def _to_device(node: Any, device: str) -> Any:
+    import torch
+
+    if isinstance(node, torch.Tensor):
+        return node.to(device)
+    if isinstance(node, dict):
+        return {k: _to_device(v, device) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_to_device(v, device) for v in node]
+    return node
+
+
 def _first_failure(e: BaseException) -> BaseException | None:
     for failure in getattr(e, "failures", {}).values():
         # (exception, traceback frames) in torch 2.13; a WrappedException in some releases.
@@ -108,16 +116,11 @@ def _first_failure(e: BaseException) -> BaseException | None:
     return None
 
 
-def _unsafe_entry(folder: Path, fqn: str, value: io.BytesIO) -> UnsafeCheckpointError:
+def _unsafe_entry(folder: Path, fqn: str, value: io.BytesIO, allowed: list[Any]) -> UnsafeCheckpointError:
     try:
         with zipfile.ZipFile(value) as zf:
             names = [n for n in zf.namelist() if n.endswith("data.pkl")]
-            unsafe = filter_unsafe(pickle_globals(zf.read(names[0]))) if names else []
+            unsafe = filter_unsafe(pickle_globals(zf.read(names[0])), allowed) if names else []
     except (zipfile.BadZipFile, CheckpointFormatError, IndexError):
         unsafe = []
-    listed = summarize(unsafe) if unsafe else "globals outside the weights-only allowlist"
-    return UnsafeCheckpointError(
-        f"{folder}: refused to load entry {fqn!r}: it needs {listed}. Unpickling could run arbitrary code; "
-        "if you trust this folder, pass trust=True (CLI: --trust)",
-        unsafe,
-    )
+    return unsafe_error(str(folder), unsafe, where=f" entry {fqn!r}")

@@ -4,14 +4,36 @@ Every error derives from :class:`CkptkitError` and also from the built-in a call
 catch without knowing ckptkit (``FileNotFoundError``, ``ValueError``, ``KeyError``,
 ``OSError``, ``RuntimeError``). Messages name the file or key, what was expected, what was
 found, and the fix. This module imports nothing heavy: the CLI uses it before torch loads.
+
+Example:
+    >>> from ckptkit.errors import CheckpointNotFoundError, CkptkitError
+    >>> issubclass(CheckpointNotFoundError, FileNotFoundError) and issubclass(CheckpointNotFoundError, CkptkitError)
+    True
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import pickle
 import struct
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+__all__ = [
+    "ArgumentError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CkptkitError",
+    "ClassNotFoundError",
+    "DistributedError",
+    "LayoutError",
+    "ResumeError",
+    "StateDictMismatchError",
+    "UnsafeCheckpointError",
+    "UnsupportedCheckpointError",
+]
 
 
 class CkptkitError(Exception):
@@ -35,7 +57,15 @@ class CheckpointNotFoundError(CkptkitError, FileNotFoundError):
 
 
 class CheckpointFormatError(CkptkitError, ValueError):
-    """The file is not a checkpoint ckptkit can read, or it is damaged."""
+    """The file is not a checkpoint ckptkit can read, or it is damaged (the message says which)."""
+
+
+class UnsupportedCheckpointError(CheckpointFormatError):
+    """An intact file of a kind ckptkit does not read (a TorchScript or torch.export archive)."""
+
+
+class ClassNotFoundError(CkptkitError, ImportError):
+    """A trusted pickle names a class whose module cannot be imported in this environment."""
 
 
 class UnsafeCheckpointError(CkptkitError, ValueError):
@@ -100,6 +130,32 @@ PARSE_ERRORS: tuple[type[BaseException], ...] = (
 
 
 PICKLE_ERRORS: tuple[type[BaseException], ...] = (pickle.UnpicklingError, *PARSE_ERRORS)
+
+
+_CLI_SPELLING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptkit_cli_spelling", default=False)
+
+
+def spell(keyword: str, flag: str) -> str:
+    """An option as the caller spells it: ``flag`` under the command line, else ``keyword``.
+
+    Example:
+        >>> spell("trust=True", "--trust")
+        'trust=True'
+        >>> with cli_spelling():
+        ...     spell("trust=True", "--trust")
+        '--trust'
+    """
+    return flag if _CLI_SPELLING.get() else keyword
+
+
+@contextlib.contextmanager
+def cli_spelling() -> Iterator[None]:
+    """Within this block, error messages name command-line flags instead of keywords."""
+    token = _CLI_SPELLING.set(True)
+    try:
+        yield
+    finally:
+        _CLI_SPELLING.reset(token)
 
 
 def summarize(items: Sequence[str], limit: int = 6) -> str:

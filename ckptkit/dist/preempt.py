@@ -7,7 +7,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from . import _dist
+from . import collectives as _dist
 
 
 class StopSignal:

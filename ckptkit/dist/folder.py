@@ -6,9 +6,10 @@ import os
 import re
 from pathlib import Path
 
-from . import _dist
-from ._atomic import atomic_write
-from ._errors import ArgumentError, CkptkitError
+from .._verify import verify_checkpoint
+from ..errors import ArgumentError, CheckpointNotFoundError
+from ..formats.atomic import atomic_write
+from . import collectives as _dist
 
 
 class CheckpointFolder:
@@ -51,10 +52,20 @@ class CheckpointFolder:
         return [p for _, p in sorted(found)]
 
     def commit(self, path: str | os.PathLike[str]) -> None:
-        """Point ``latest`` at ``path`` and prune. Any rank may call it; only global rank 0 acts."""
+        """Point ``latest`` at ``path`` and prune. Any rank may call it; only global rank 0 acts.
+
+        Raises:
+            CheckpointNotFoundError: ``path`` does not exist (commit only complete files).
+            ArgumentError: ``path`` is not in this folder.
+        """
         if _dist.rank() != 0:
             return
-        name = Path(path).name
+        p = Path(path)
+        if not p.is_file():
+            raise CheckpointNotFoundError(f"{p}: cannot commit a checkpoint that does not exist; save it first, then commit", filename=str(p))
+        if p.parent.resolve() != self.folder.resolve():
+            raise ArgumentError(f"{p} is not in {self.folder}; commit files named by path_for(step)")
+        name = p.name
         with atomic_write(self.folder / self.POINTER) as f:
             f.write(f"{name}\n".encode())
         if self.keep is not None:
@@ -70,8 +81,6 @@ class CheckpointFolder:
         return Path(answer) if answer else None
 
     def _find(self) -> Path | None:
-        from ._torchzip import TorchZip
-
         pointer = self.folder / self.POINTER
         candidates = list(reversed(self.checkpoints()))
         if pointer.is_file():
@@ -80,9 +89,7 @@ class CheckpointFolder:
                 candidates.remove(named)
                 candidates.insert(0, named)
         for path in candidates:
-            try:
-                TorchZip(path).close()  # central directory and local headers readable: not torn
-            except (CkptkitError, OSError):
-                continue
-            return path
+            # Headers, pickle and bounds readable (not torn): reading every byte is the load's job.
+            if verify_checkpoint(path, full=False).intact:
+                return path
         return None

@@ -3,70 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _dist, _errors
-from ._atomic import atomic_write
-from ._errors import ArgumentError, CheckpointWriteError, CkptkitError
-
-
-def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
-    """Write ``obj`` to ``path`` atomically, in the format its suffix names.
-
-    ``.safetensors`` takes a mapping of tensors or an ``nn.Module`` (its state dict; tied
-    tensors are stored once and re-tied on load). Any other suffix gets torch's zip format.
-    """
-    dest = Path(path)
-    if dest.suffix == ".safetensors":
-        from ._safetensors import save_tensors
-
-        if hasattr(obj, "state_dict") and hasattr(obj, "named_modules"):
-            obj = obj.state_dict()
-        if not isinstance(obj, Mapping):
-            raise ArgumentError(f"{dest}: safetensors holds a mapping of tensors, not a {type(obj).__name__}")
-        with atomic_write(dest) as f:
-            save_tensors(f, obj)
-        return
-    import torch
-
-    with atomic_write(dest) as f:
-        writer = _RecordingWriter(f)
-        try:
-            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like object
-        except RuntimeError as e:
-            # torch's zip writer turns a failed write into "unexpected pos ..."; the OSError it
-            # swallowed (disk full, file too large) is the cause the user needs to read.
-            if writer.error is not None:
-                raise writer.error from e
-            raise
-
-
-class _RecordingWriter:
-    """A file wrapper that remembers the first OSError a write raised."""
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self) -> None:
-        try:
-            self._f.flush()
-        except OSError as e:
-            self.error = self.error or e
-            raise
+from .. import errors
+from .._write import write_checkpoint
+from ..errors import CheckpointWriteError, CkptkitError
+from . import collectives as _dist
 
 
 def _rebuild_error(kind: str, message: str) -> CkptkitError:
-    cls = getattr(_errors, kind, None)
+    cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, CkptkitError)):
         cls = CheckpointWriteError
     return cls(message)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ._errors import DistributedError
+from ..errors import DistributedError
 
 T = TypeVar("T")
 

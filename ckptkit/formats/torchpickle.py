@@ -1,4 +1,4 @@
-"""Read and rewrite a torch pickle without importing torch or running anything it names.
+"""torch's pickles read and written through inert stand-ins: no torch, nothing run.
 
 torch writes ``data.pkl`` with protocol 2: containers are ordinary dicts/OrderedDicts/lists,
 and each tensor is a call ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride,
@@ -16,6 +16,7 @@ applies torch's rules and ckptkit's trust option.
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import math
 import pickle
@@ -24,26 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, SupportsIndex
 
-from ._errors import PICKLE_ERRORS, CheckpointFormatError
+from ..errors import PICKLE_ERRORS, CheckpointFormatError
+from .dtypes import BY_NAME, BY_STORAGE
 
-# Storage class -> (dtype name, bytes per element, safetensors dtype or None)
-STORAGE_TYPES: dict[str, tuple[str, int, str | None]] = {
-    "FloatStorage": ("float32", 4, "F32"), "DoubleStorage": ("float64", 8, "F64"),
-    "HalfStorage": ("float16", 2, "F16"), "BFloat16Storage": ("bfloat16", 2, "BF16"),
-    "LongStorage": ("int64", 8, "I64"), "IntStorage": ("int32", 4, "I32"),
-    "ShortStorage": ("int16", 2, "I16"), "CharStorage": ("int8", 1, "I8"),
-    "ByteStorage": ("uint8", 1, "U8"), "BoolStorage": ("bool", 1, "BOOL"),
-    "ComplexFloatStorage": ("complex64", 8, "C64"), "ComplexDoubleStorage": ("complex128", 16, None),
-}  # fmt: skip
-# dtypes named directly (``torch.uint16``), as _rebuild_tensor_v3 and plain dtype values do.
-DTYPES: dict[str, tuple[int, str | None]] = {
-    "float32": (4, "F32"), "float64": (8, "F64"), "float16": (2, "F16"), "bfloat16": (2, "BF16"),
-    "int64": (8, "I64"), "int32": (4, "I32"), "int16": (2, "I16"), "int8": (1, "I8"),
-    "uint8": (1, "U8"), "bool": (1, "BOOL"), "uint16": (2, "U16"), "uint32": (4, "U32"),
-    "uint64": (8, "U64"), "complex64": (8, "C64"), "complex128": (16, None),
-    "float8_e4m3fn": (1, "F8_E4M3"), "float8_e5m2": (1, "F8_E5M2"),
-    "float8_e4m3fnuz": (1, "F8_E4M3FNUZ"), "float8_e5m2fnuz": (1, "F8_E5M2FNUZ"),
-}  # fmt: skip
 TENSOR_BUILDERS = frozenset({"_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 PARAM_BUILDERS = frozenset({"_rebuild_parameter", "_rebuild_parameter_with_state"})
 _REAL = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
@@ -146,11 +130,13 @@ class TensorRef(Call):
         if self.func.name == "_rebuild_tensor_v3":
             d = self._arg(6)
             return d.name if isinstance(d, Global) else str(d)
-        return STORAGE_TYPES.get(self.storage.type_name, ("unknown", 0, None))[0]
+        d = BY_STORAGE.get(self.storage.type_name)
+        return d.name if d is not None else "unknown"
 
     @property
     def itemsize(self) -> int:
-        return DTYPES.get(self.dtype, (0, None))[0]
+        d = BY_NAME.get(self.dtype)
+        return d.itemsize if d is not None else 0
 
     @property
     def numel(self) -> int:
@@ -219,7 +205,7 @@ def _allowed(module: str, name: str) -> bool:
     if module == "torch._utils":
         return name in TENSOR_BUILDERS or name in PARAM_BUILDERS
     if module == "torch":
-        return name in STORAGE_TYPES or name in DTYPES or name in ("Size", "device")
+        return name in BY_STORAGE or name in BY_NAME or name in ("Size", "device")
     if module == "torch.storage":
         return name == "UntypedStorage"
     return module == "_codecs" and name == "encode"  # protocol 2 spells bytes as _codecs.encode(str, "latin1")
@@ -240,6 +226,8 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     dispatch.update(dict.fromkeys((op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers))  # type: ignore[arg-type]
 
     def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # type: ignore[attr-defined]  # protocol 2 spells builtins.set as __builtin__.set, as pickle maps back
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
         real = _REAL.get((module, name))
         if real is not None:
             return real
@@ -260,7 +248,8 @@ def storage_nbytes(ref: StorageRef) -> int:
     """Bytes a storage declares: elements x element size (UntypedStorage counts bytes)."""
     if not isinstance(ref.pid[4], int) or ref.pid[4] < 0:
         raise CheckpointFormatError(f"storage {ref.key} declares {ref.pid[4]!r} elements")
-    size = 1 if ref.type_name == "UntypedStorage" else STORAGE_TYPES.get(ref.type_name, ("", 1, None))[1]
+    d = BY_STORAGE.get(ref.type_name)
+    size = d.itemsize if d is not None else 1  # UntypedStorage counts bytes
     return ref.numel * size
 
 

@@ -13,10 +13,11 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from . import _lazy_pickle as lp
-from ._errors import CheckpointFormatError, summarize
-from ._formats import LEGACY, ZIP, ClampedReader
-from ._torchzip import TorchZip
+from ..errors import CheckpointFormatError, summarize
+from . import torchpickle as lp
+from .detect import LEGACY, ZIP
+from .fileio import ClampedReader
+from .torchzip import TorchZip
 
 
 def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: BinaryIO) -> None:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _dist
-from ._save import write_and_agree
-from ._state import build_training_state
+from .._state import build_training_state
+from . import collectives as _dist
+from .rank0 import write_and_agree
 
 _CHANNEL = "background"
 
@@ -93,30 +93,42 @@ class AsyncSaver:
         self._thread.start()
 
     def _stage(self, obj: Any) -> Any:
-        """Copy every tensor to host memory now; containers rebuilt, other values shared."""
+        """Copy every storage to host memory now, once each: views and tied weights stay shared,
+        so the file is the one a synchronous save writes. Containers are rebuilt, other values
+        shared."""
         import torch
 
-        counter = iter(range(1 << 62))
-        cuda_used = False
+        hosts: dict[tuple[str, int], Any] = {}  # (device, data_ptr) of a live storage -> its host copy
+        device_copies = 0
+
+        def host_storage(t: torch.Tensor) -> Any:
+            nonlocal device_copies
+            storage = t.untyped_storage()
+            ident = (str(storage.device), storage.data_ptr())
+            if ident in hosts and hosts[ident].nbytes() == storage.nbytes():
+                return hosts[ident]
+            if storage.device.type == "cpu":
+                copy = storage.clone()
+            else:
+                # Pinned buffers are reused between saves (the next save waits for this one).
+                i, device_copies = device_copies, device_copies + 1
+                if i < len(self._pinned) and self._pinned[i].numel() == storage.nbytes():
+                    buf = self._pinned[i]
+                else:
+                    buf = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                    self._pinned[i:i + 1] = [buf]
+                copy = buf.untyped_storage()
+                copy.copy_(storage, non_blocking=True)
+            hosts[ident] = copy
+            return copy
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            nonlocal cuda_used
-            if t.device.type == "cpu":
-                return t.detach().clone()
-            cuda_used = True
-            i = next(counter)
-            # Pinned buffers are reused between saves (the next save waits for this one).
-            if i < len(self._pinned) and self._pinned[i].shape == t.shape and self._pinned[i].dtype == t.dtype:
-                buf = self._pinned[i]
-            else:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                self._pinned[i:i + 1] = [buf]
-            buf.copy_(t.detach(), non_blocking=True)
-            return buf
+            view = torch.empty(0, dtype=t.dtype).set_(host_storage(t), t.storage_offset(), t.shape, t.stride())
+            return torch.nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else view
 
         def walk(node: Any) -> Any:
             if isinstance(node, torch.Tensor):
-                return copy(node)
+                return copy(node.detach() if not isinstance(node, torch.nn.Parameter) else node)
             if isinstance(node, Mapping):
                 out: dict[Any, Any] = OrderedDict() if isinstance(node, OrderedDict) else {}
                 for k, v in node.items():
@@ -130,7 +142,8 @@ class AsyncSaver:
                 return tuple(walk(v) for v in node)
             return node
 
-        staged = walk(obj)
-        if cuda_used:
+        with torch.no_grad():
+            staged = walk(obj)
+        if device_copies:
             torch.cuda.current_stream().synchronize()  # copies done before training mutates the tensors
         return staged

@@ -1,4 +1,4 @@
-"""safetensors reading and writing, streaming, with tied tensors handled.
+"""The safetensors codec: header, CRC-32 metadata and tied-tensor aliases, without torch.
 
 Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N, a
 JSON header of N bytes (space-padded so data starts 8-aligned), then raw little-endian bytes.
@@ -12,24 +12,18 @@ of another is stored once and recorded under ``ckptkit.aliases`` so loading re-t
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
 import struct
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
-from ._errors import ArgumentError, CheckpointFormatError, summarize
+from ..errors import CheckpointFormatError
+from .dtypes import BY_SAFETENSORS
 
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
+DTYPE_SIZES: dict[str, int] = {code: d.itemsize for code, d in BY_SAFETENSORS.items()}
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 ALIASES_KEY = "ckptkit.aliases"
 CRC_KEY = "ckptkit.crc32"  # {tensor name: CRC-32 of its bytes, 8 hex digits}: lets verify see bit flips
@@ -157,109 +151,6 @@ def _check_entry(name: str, entry: Any, data_len: int, source: str) -> tuple[int
             f"{source}: tensor {name!r} is {dtype}{shape} = {expected} bytes but its offsets span {offsets[1] - offsets[0]}"
         )
     return offsets[0], offsets[1], name
-
-
-def _torch_dtypes() -> dict[Any, str]:
-    import torch
-
-    names = {
-        "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-        "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-        "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
-        "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-        "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
-    }  # fmt: skip
-    return {getattr(torch, k): v for k, v in names.items() if hasattr(torch, k)}
-
-
-def find_aliases(state_dict: Mapping[str, Any]) -> dict[str, str]:
-    """Map each key whose tensor is an exact alias (same memory, shape, stride, dtype) of an
-    earlier key to that earlier key: tied embeddings and the like."""
-    first: dict[tuple[Any, ...], str] = {}
-    aliases: dict[str, str] = {}
-    for key, t in state_dict.items():
-        if t.numel() == 0:
-            continue
-        ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if ident in first:
-            aliases[key] = first[ident]
-        else:
-            first[ident] = key
-    return aliases
-
-
-def _raw(t: Any) -> memoryview:
-    """The bytes of a CPU contiguous tensor, without copying them."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-
-
-def save_tensors(f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
-    """Write a mapping of tensors to ``f`` in safetensors format, tied tensors stored once.
-
-    Raises:
-        ArgumentError: when a value is not a tensor, or a dtype has no safetensors name.
-    """
-    import sys
-
-    import torch
-
-    if sys.byteorder != "little":
-        raise ArgumentError("writing safetensors needs a little-endian machine")
-    bad = [f"{k} ({type(v).__name__})" for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise ArgumentError(
-            f"safetensors holds only tensors, but {len(bad)} entries are not: {summarize(bad)}; "
-            "save them with a .pt suffix, or pass only the model state dict"
-        )
-    names = _torch_dtypes()
-    unknown = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in names]
-    if unknown:
-        raise ArgumentError(f"safetensors has no dtype for {summarize(unknown)}; use a .pt suffix")
-    aliases = find_aliases(state_dict)
-    keep = [(k, v) for k, v in state_dict.items() if k not in aliases]
-    meta = {"format": "pt", **(metadata or {})}
-    if aliases:
-        # {alias: [target, position in the original order]} so loading restores order too.
-        position = {k: i for i, k in enumerate(state_dict)}
-        meta[ALIASES_KEY] = json.dumps({a: [t, position[a]] for a, t in aliases.items()})
-    entries = [(k, names[v.dtype], list(v.shape), v.numel() * v.element_size()) for k, v in keep]
-
-    def write_data(crcs: dict[str, int]) -> None:
-        for name, t in keep:
-            t = t.detach()
-            if t.device.type != "cpu":
-                t = t.to("cpu")
-            t = t.contiguous()
-            raw = _raw(t)  # t stays referenced until the write returns
-            crcs[name] = zlib.crc32(raw)
-            f.write(raw)
-
-    write_with_crcs(f, entries, meta, write_data)
-
-
-def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[OrderedDict[str, Any], dict[str, str]]:
-    """Read a safetensors file into an ordered dict (file order), re-tying recorded aliases.
-
-    Returns:
-        ``(tensors, metadata)``.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    source = os.fspath(path)
-    with open(source, "rb") as f:
-        header, _ = read_header(f, source=source)
-    meta: dict[str, str] = dict(header.pop("__metadata__", {}) or {})
-    out: OrderedDict[str, Any] = OrderedDict()
-    try:
-        with safe_open(source, framework="pt", device=device) as sf:
-            for name in header:
-                out[name] = sf.get_tensor(name)
-    except SafetensorError as e:
-        raise CheckpointFormatError(f"{source}: {e}") from e
-    return insert_aliases(out, parse_aliases(meta, out, source)), meta
 
 
 def parse_crcs(meta: Mapping[str, str], source: str) -> dict[str, int]:

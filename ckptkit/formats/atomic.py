@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ._errors import CheckpointWriteError
+from ..errors import CheckpointWriteError
 
 TMP_SUFFIX = ".ckptkit-tmp"
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:16] or "host"

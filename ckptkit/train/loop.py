@@ -1,138 +1,22 @@
-"""ckptkit's reference DDP trainer: resumable, preemption-safe, elastic.
-
-    ckptkit train --nproc 2 --out runs/demo                       # the built-in task, 2 processes
-    torchrun --standalone --nproc_per_node=2 -m ckptkit.train --out runs/demo
-    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 \\
-             --nproc_per_node=8 -m ckptkit.train --out /shared/run   # and node_rank=1 on the other
-    ckptkit train --nproc 4 --model mypkg.nets:make_model --data mypkg.data:make_datasets
-
-From code (under torchrun, or as one plain process):
-
-    from ckptkit.train import TrainConfig, train
-    train(TrainConfig(out="runs/x", epochs=10), model=MyNet(), data=(train_set, val_set))
-
-It reads top to bottom like nanoGPT's train.py, with every gap closed: rank-0 atomic saves
-that every rank waits for, weights-only loads, optimizer/scheduler/scaler/RNG/sampler state,
-mid-epoch resume, an agreed stop on SIGTERM, and a ``latest`` pointer that only ever names a
-complete file. Everything about checkpoints goes through ckptkit's public API.
-"""
+"""The training loop: processes and devices, seeds, data, model, resume, the loop, the end."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import importlib
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ._trainlog import Logger
+import ckptkit
 
-
-@dataclass
-class TrainConfig:
-    """Options of the reference trainer; each is also a flag (``max_steps`` is ``--max-steps``)."""
-
-    out: str = "runs/ckptkit-demo"
-    epochs: int = 3
-    max_steps: int = 0
-    batch_size: int = 64
-    accum: int = 1
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 20
-    seed: int = 0
-    save_every: int = 50
-    keep: int = 3
-    resume: str = "auto"
-    async_save: bool = False
-    device: str = "auto"
-    backend: str = "auto"
-    amp: str = "none"
-    sync_bn: bool = False
-    num_workers: int = 0
-    log_every: int = 10
-    model: str = ""
-    data: str = ""
-
-
-_HELP = {
-    "out": "folder for checkpoints/, metrics.jsonl and the final model.safetensors",
-    "epochs": "passes over the training set",
-    "max_steps": "stop after this many optimizer steps (0: run all epochs)",
-    "batch_size": "samples per process per micro-batch",
-    "accum": "micro-batches per optimizer step (DDP no_sync on all but the last)",
-    "lr": "peak learning rate (linear warmup, cosine decay to 10%%)",
-    "weight_decay": "AdamW weight decay",
-    "warmup_steps": "learning-rate warmup steps",
-    "seed": "same seed and options give the same run",
-    "save_every": "optimizer steps between checkpoints (one is also saved at each epoch end)",
-    "keep": "checkpoints kept in OUT/checkpoints",
-    "resume": "auto (newest complete checkpoint in OUT), none, or a checkpoint path",
-    "async_save": "write checkpoints in the background; training waits only for the host copy",
-    "device": "auto (cuda:LOCAL_RANK with CUDA, else cpu), cuda or cpu",
-    "backend": "auto (nccl on CUDA, gloo on CPU), nccl or gloo",
-    "amp": "none, bf16 (autocast) or fp16 (autocast + GradScaler)",
-    "sync_bn": "convert BatchNorm to SyncBatchNorm",
-    "num_workers": "DataLoader worker processes",
-    "log_every": "optimizer steps between log lines",
-    "model": "pkg.module:factory returning your nn.Module (default: the built-in MLP)",
-    "data": "pkg.module:factory returning (train_dataset, val_dataset) (default: the built-in task)",
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptkit.train", description="ckptkit's reference DDP trainer.")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=_HELP[f.name])
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper(),
-                                help=f"{_HELP[f.name]} (default: {f.default!r})")  # fmt: skip
-    return parser
-
-
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    return TrainConfig(**vars(build_parser().parse_args(argv)))
-
-
-# -- the built-in task: deterministic generated data a small model visibly learns ----------------
-
-
-def default_data(seed: int = 0, n_train: int = 8192, n_val: int = 2048, dim: int = 32, classes: int = 10) -> tuple[Any, Any]:
-    """Points labelled by a fixed random teacher network: learnable, not trivial."""
-    import torch
-    from torch.utils.data import TensorDataset
-
-    g = torch.Generator().manual_seed(seed + 12345)
-    # 1/sqrt(dim) keeps the teacher's tanh out of saturation, so its labels are learnable.
-    w1, w2 = torch.randn(dim, 64, generator=g) / dim**0.5, torch.randn(64, classes, generator=g)
-    x = torch.randn(n_train + n_val, dim, generator=g)
-    y = (torch.tanh(x @ w1) @ w2).argmax(dim=1)
-    return TensorDataset(x[:n_train], y[:n_train]), TensorDataset(x[n_train:], y[n_train:])
-
-
-def default_model(dim: int = 32, hidden: int = 128, classes: int = 10) -> Any:
-    import torch.nn as nn
-
-    return nn.Sequential(
-        nn.Linear(dim, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, classes),
-    )  # fmt: skip
-
-
-def _factory(spec: str) -> Any:
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise SystemExit(f"ckptkit.train: expected pkg.module:factory, got {spec!r}")
-    return getattr(importlib.import_module(module), name)()
+from .config import TrainConfig
+from .log import Logger
+from .task import default_data, default_model, factory
 
 
 def _lr_lambda(warmup: int, horizon: list[int]) -> Any:
@@ -156,9 +40,6 @@ def _planned_steps(cfg: TrainConfig, n: int, world: int, step: int, epoch: int, 
     return min(step + left, cfg.max_steps) if cfg.max_steps else step + left
 
 
-# -- training ---------------------------------------------------------------------------------------
-
-
 def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """Train, checkpointing as configured; returns the final metrics.
 
@@ -171,8 +52,6 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
-
-    import ckptkit
 
     # -- processes and devices
     distributed = "WORLD_SIZE" in os.environ
@@ -200,8 +79,8 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
 
     # -- seeds: one model initialisation everywhere, one RNG stream per rank (dropout)
     torch.manual_seed(cfg.seed)
-    model = model if model is not None else (_factory(cfg.model) if cfg.model else default_model())
-    train_set, val_set = data if data is not None else (_factory(cfg.data) if cfg.data else default_data(cfg.seed))
+    model = model if model is not None else (factory(cfg.model) if cfg.model else default_model())
+    train_set, val_set = data if data is not None else (factory(cfg.data) if cfg.data else default_data(cfg.seed))
     torch.manual_seed(cfg.seed + 1000 * rank)
 
     # -- data: every rank a disjoint shard; the sampler knows its position within the epoch
@@ -358,12 +237,3 @@ def _evaluate(net: Any, loader: Any, device: Any, dist: Any, log: Logger, step: 
     acc = (totals[1] / totals[2]).item()
     log.metric(step=step, epoch=epoch, val_loss=round((totals[0] / totals[2]).item(), 6), val_acc=round(acc, 4))
     return acc
-
-
-def main(argv: list[str] | None = None) -> int:
-    result = train(parse_args(argv))
-    return 0 if result["status"] in ("done", "preempted") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

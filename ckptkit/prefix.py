@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from ._errors import ArgumentError, summarize
+from .errors import ArgumentError, summarize
 
 WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
 
@@ -276,7 +276,7 @@ def adapt_state_dict(
 def rewrite_prefixes(
     state_dict: Mapping[str, Any],
     *,
-    to: str = "single",
+    to: Literal["single", "ddp", "keep"] = "single",
     strip: Iterable[str] = (),
     add: Iterable[str] = (),
 ) -> OrderedDict[str, Any]:

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from . import _lazy_pickle as lp
-from ._bounds import check_tensors
-from ._errors import ArgumentError, CheckpointFormatError, summarize
-from ._formats import SAFETENSORS, ZIP
-from ._safetensors import (
+from ..errors import ArgumentError, CheckpointFormatError, summarize
+from . import torchpickle as lp
+from .bounds import check_tensors
+from .detect import SAFETENSORS, ZIP
+from .dtypes import BY_NAME, BY_SAFETENSORS
+from .fileio import Progress, copy_range, crc_of_range
+from .safetensors import (
     ALIASES_KEY,
     CRC_KEY,
     crc_metadata,
@@ -33,10 +35,7 @@ from ._safetensors import (
     read_header,
     write_with_crcs,
 )
-from ._torchzip import Progress, TorchZip, ZipWriter, copy_range, crc_of_range
-
-_ST_TO_STORAGE = {st: name for name, (_, _, st) in lp.STORAGE_TYPES.items() if st}
-_ST_TO_DTYPE = {st: name for name, (_, st) in lp.DTYPES.items() if st}
+from .torchzip import TorchZip, ZipWriter
 
 
 class NeedsTorch(Exception):
@@ -118,7 +117,7 @@ def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int
         raise NeedsTorch(f"{name} is not a plain tensor")
     if src.zip.byteorder != "little":  # safetensors is little-endian: torch swaps the bytes on load
         raise NeedsTorch(f"{src.path} was saved big-endian")
-    st = lp.DTYPES.get(t.dtype, (0, None))[1]
+    st = BY_NAME[t.dtype].safetensors if t.dtype in BY_NAME else None
     if st is None:
         raise ArgumentError(f"{src.path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store; use a .pt output")
     if not t.is_contiguous():
@@ -230,12 +229,13 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
         key, numel = str(len(ranges)), math.prod(ref.shape)
         stride = tuple(math.prod(ref.shape[i + 1 :]) for i in range(len(ref.shape)))
         hooks: OrderedDict[str, Any] = OrderedDict()
-        if ref.dtype in _ST_TO_STORAGE:
-            storage = lp.StorageRef(("storage", lp.Global("torch", _ST_TO_STORAGE[ref.dtype]), key, "cpu", numel))
+        dtype = BY_SAFETENSORS[ref.dtype]
+        if dtype.storage is not None:
+            storage = lp.StorageRef(("storage", lp.Global("torch", dtype.storage), key, "cpu", numel))
             t = lp.TensorRef(rebuild_v2, (storage, 0, ref.shape, stride, False, hooks))
         else:
             storage = lp.StorageRef(("storage", untyped, key, "cpu", ref.length))
-            t = lp.TensorRef(rebuild_v3, (storage, 0, ref.shape, stride, False, hooks, lp.Global("torch", _ST_TO_DTYPE[ref.dtype])))
+            t = lp.TensorRef(rebuild_v3, (storage, 0, ref.shape, stride, False, hooks, lp.Global("torch", dtype.name)))
         ranges.append((ref.start, ref.length, ref.crc))
         made[id(ref)] = t
         return t

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
-from ._errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
 
 LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes

@@ -1,4 +1,8 @@
-"""rich rendering for the CLI: tables to stdout, progress to stderr (terminals only)."""
+"""rich rendering for the CLI: tables to stdout, progress to stderr (terminals only).
+
+rich is imported inside the functions that draw: ``ckptkit --help`` and the commands' error
+paths then start without it (tests/test_cli.py's test_help_is_fast_to_import).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,12 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 MAX_GROUPS = 40
 
 
-def _stdout() -> Console:
+def _stdout() -> Any:
+    from rich.console import Console
+
     # Piped output: plain text, and wide enough that tables do not wrap key names.
     return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
@@ -37,6 +40,7 @@ def progress_bar(path: str, *, threshold: int, enabled: bool = True) -> Iterator
     if not (enabled and sys.stderr.isatty() and size >= threshold):
         yield None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     with Progress(
@@ -52,16 +56,19 @@ def progress_bar(path: str, *, threshold: int, enabled: bool = True) -> Iterator
 
 
 def render_summary(s: Any, *, show_all: bool = False) -> None:
+    from rich.table import Table
+
     out = _stdout()
     out.print(f"[bold]{s.path}[/]  {s.format}  {human_bytes(s.file_bytes)}")
     if s.needs_trust:
+        allow = " ".join(f"--allow-global {g}" for g in s.needs_trust)
         out.print(
-            f"[red]not loaded:[/] its pickle needs {', '.join(s.needs_trust)}, which could run code. "
-            "Inspect it with --trust only if you trust the file."
+            f"[red]not loaded:[/] its pickle needs {', '.join(s.needs_trust)}, outside torch's weights-only "
+            f"allowlist, which could run code. Admit just these with {allow}, or pass --trust if you trust the file."
         )
         return
     if s.loaded_with_torch:
-        out.print("[dim](loaded with torch, weights-only)[/]")
+        out.print("[dim](loaded with torch, trusted: weights_only=False)[/]" if s.trusted else "[dim](loaded with torch, weights-only)[/]")
     if s.entries:
         t = Table("entry", "kind", "detail", title="Top level", title_justify="left", box=None, padding=(0, 2))
         for e in s.entries:
@@ -73,7 +80,8 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
         where = f"'{s.weights_at}'" if s.weights_at else "the top level"
         by_dtype = ", ".join(f"{d} {human_bytes(b)}" for d, b in s.bytes_by_dtype.items())
         devices = ", ".join(f"{d} ({n})" if len(s.devices) > 1 else d for d, n in s.devices.items())
-        out.print(f"Weights at {where}: {len(s.tensors)} tensors, {s.numel:,} elements, {by_dtype}; saved on {devices or '-'}")
+        shared = f" ({s.shared} sharing another's storage: stored once)" if s.shared else ""
+        out.print(f"Weights at {where}: {len(s.tensors)} tensors{shared}, {s.numel:,} elements, {by_dtype}; saved on {devices or '-'}")
         prefixes = s.prefixes
         leading = "".join(prefixes.get("leading", []))
         nested = ", ".join(prefixes.get("nested", []))
@@ -96,6 +104,8 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
 
 
 def render_diff(r: Any) -> None:
+    from rich.table import Table
+
     out = _stdout()
     if r.equal:
         tol = f" within atol={r.atol:g}, rtol={r.rtol:g}" if r.atol or r.rtol else ""
@@ -120,6 +130,6 @@ def render_diff(r: Any) -> None:
 def render_verify(r: Any) -> None:
     out = _stdout()
     for c in r.checks:
-        mark = "[green]ok  [/]" if c["ok"] else "[red]FAIL[/]"
-        out.print(f"{mark} {c['check']}" + (f": {c['detail']}" if c["detail"] else ""))
+        mark = "[green]ok  [/]" if c.ok else "[red]FAIL[/]"
+        out.print(f"{mark} {c.name}" + (f": {c.detail}" if c.detail else ""))
     out.print(f"{r.path}: {'[green]verified[/]' if r.ok else '[red]problems found[/]'}")

@@ -1,0 +1,55 @@
+"""Read any supported checkpoint as Python objects, safely, onto this rank's device."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._dcpread import read_dcp
+from ._devices import MapLocation, single_device
+from ._safety import AllowGlobals
+from ._sttorch import load_tensors
+from ._torchload import torch_load
+from .formats.detect import DCP, SAFETENSORS, detect_format
+
+
+def read_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    map_location: MapLocation = None,
+    trust: bool = False,
+    allow_globals: AllowGlobals = (),
+    mmap: bool = True,
+) -> Any:
+    """Load a torch zip or legacy file, a safetensors file or a DCP folder (no model involved).
+
+    Not a collective: each rank reads the file itself. Safe by default: pickles load with
+    ``weights_only=True``.
+
+    Args:
+        path: the checkpoint.
+        map_location: as ``torch.load``'s; by default storages saved on any accelerator land on
+            this rank's device (``cuda:LOCAL_RANK``, or the CPU without CUDA) and CPU storages stay
+            on the CPU. Safetensors files and DCP folders take a device.
+        trust: allow arbitrary unpickling. Only for files you trust: a pickle can run code.
+        allow_globals: classes or functions to admit without trusting everything, as objects
+            (``[argparse.Namespace]``) or dotted names (``["argparse.Namespace"]``).
+        mmap: memory-map zip checkpoints instead of reading them into memory.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointFormatError (damaged, or not a checkpoint),
+        UnsupportedCheckpointError (a TorchScript or torch.export archive), UnsafeCheckpointError,
+        ClassNotFoundError (a trusted pickle's class cannot be imported), ArgumentError.
+
+    Example:
+        >>> ckpt = read_checkpoint("fixtures/train_ckpt.pt", map_location="cpu")  # doctest: +SKIP
+        >>> sorted(ckpt)  # doctest: +SKIP
+        ['best_loss', 'epoch', 'model', 'optimizer', 'scheduler', 'step']
+    """
+    source = os.fspath(path)
+    fmt = detect_format(source)
+    if fmt == SAFETENSORS:
+        return load_tensors(source, device=single_device(map_location, source, "a safetensors file"))[0]
+    if fmt == DCP:
+        return read_dcp(source, trust=trust, allow_globals=allow_globals, map_location=map_location)
+    return torch_load(source, fmt, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)

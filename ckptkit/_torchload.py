@@ -1,0 +1,116 @@
+"""``torch.load`` behind ckptkit's checks, with its failures told by what happened.
+
+Before torch reads a byte, the zip's structure and every declared storage size are checked
+against the file (a flipped size bit cannot make torch allocate terabytes). torch's warnings
+about how it is called are ckptkit's concern and never reach the caller. When torch fails, the
+error says what happened: the pickle needs globals the caller did not allow, a class cannot be
+imported, it needs a process group, the device does not exist, or the file is damaged, which
+ckptkit says only after its own checks have found the damage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import warnings
+from typing import Any, BinaryIO
+
+from ._devices import MapLocation, check_device, device_for_rank, restore_to
+from ._safety import AllowGlobals, filter_unsafe, resolve_globals, unsafe_error
+from .errors import (
+    ArgumentError,
+    CheckpointFormatError,
+    CkptkitError,
+    ClassNotFoundError,
+    DistributedError,
+    spell,
+    summarize,
+)
+from .formats.bounds import check_storage_bounds
+from .formats.detect import LEGACY, Format
+from .formats.integrity import zip_checks
+from .formats.scan import checkpoint_globals
+from .formats.torchzip import TorchZip
+
+
+def torch_load(
+    source: str, fmt: Format, *, map_location: MapLocation, trust: bool, allow_globals: AllowGlobals, mmap: bool
+) -> Any:
+    """Load a torch zip or legacy file with ``torch.load``; every failure is a CkptkitError."""
+    import torch
+
+    allowed = [] if trust else resolve_globals(allow_globals)
+    if map_location is None:
+        map_location = restore_to(device_for_rank())
+    else:
+        check_device(map_location, source)
+    kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": not trust}
+    if fmt != LEGACY and mmap:
+        kwargs["mmap"] = True
+    with open(source, "rb") as f:
+        check_storage_bounds(source, fmt, file=f)
+        # torch opens the file again (it needs a path to memory-map). /proc/self/fd names the file
+        # opened and checked above even if the path was replaced since (a trainer saving "latest").
+        pinned = f"/proc/self/fd/{f.fileno()}"
+        target = pinned if os.path.exists(pinned) else source
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with torch.serialization.safe_globals(allowed) if allowed else contextlib.nullcontext():
+                    return torch.load(target, **kwargs)
+        except CkptkitError:
+            raise
+        except MemoryError:
+            raise  # reads are bounded above: this is not the file's doing
+        except Exception as e:
+            raise _explain(e, source, target, fmt, f, trust=trust, allowed=allowed) from e
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip()
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _explain(e: Exception, source: str, target: str, fmt: Format, f: BinaryIO, *, trust: bool, allowed: list[Any]) -> CkptkitError:
+    text = str(e)
+    if isinstance(e, pickle.UnpicklingError) and not trust:
+        try:
+            unsafe = filter_unsafe(checkpoint_globals(target), allowed)
+        except CkptkitError:
+            unsafe = []
+        if unsafe:
+            return unsafe_error(source, unsafe)
+    if isinstance(e, ImportError) or (isinstance(e, AttributeError) and "Can't get attribute" in text):
+        missing = getattr(e, "name", None) or text
+        return ClassNotFoundError(
+            f"{source}: its pickle needs {missing!r}, which cannot be imported here ({type(e).__name__}: {text}). "
+            "Make the module that defined the class importable (install it, or add its folder to PYTHONPATH), "
+            f"or load a checkpoint that holds only a state dict, which needs no {spell('trust=True', '--trust')}"
+        )
+    if "process group" in text and "initialized" in text:
+        return DistributedError(
+            f"{source}: unpickling it needs a torch.distributed process group ({_reason(e)}): it pickles an "
+            "object that joins one when loaded, such as a DistributedDataParallel module. Save "
+            "model.module.state_dict() instead, or load it inside a process group"
+        )
+    if "CUDA" in text and "is_available() is False" in text:
+        return ArgumentError(f"{source}: {_reason(e)}; pass map_location=\"cpu\", or leave it out to load onto this rank's device")
+    if fmt == LEGACY:
+        return CheckpointFormatError(
+            f"{source}: torch cannot read this legacy-format checkpoint ({_reason(e)}); the legacy format "
+            "holds no checksums, so ckptkit cannot tell whether it is truncated, damaged or something else"
+        )
+    try:
+        z = TorchZip(source, file=f)
+        damage = [f"{c.name}: {c.detail}" for c in zip_checks(z, full=True)[0] if not c.ok and c.kind == "integrity"]
+    except CheckpointFormatError as err:
+        damage = [str(err)]
+    if damage:
+        return CheckpointFormatError(f"{source}: damaged torch zip checkpoint: {summarize(damage, 2)} (torch: {_reason(e)})")
+    return CheckpointFormatError(
+        f"{source}: torch cannot load this checkpoint, though its zip structure and CRC-32s check out: {_reason(e)}"
+    )

@@ -1,0 +1,5 @@
+"""``python -m ckptkit.cli``: the same as the ``ckptkit`` command."""
+
+from . import main
+
+main()

@@ -1,0 +1,114 @@
+"""``convert``, ``inspect``, ``diff`` and ``verify``: each parses, calls the library, renders."""
+
+from __future__ import annotations
+
+import sys
+from typing import Literal
+
+import click
+
+from ckptkit import convert_checkpoint, diff_checkpoints, inspect_checkpoint, verify_checkpoint
+
+from .base import BIG, emit_json, handle_errors, main
+from .render import human_bytes, progress_bar, render_diff, render_summary, render_verify
+
+ALLOW_GLOBAL = click.option(
+    "--allow-global", multiple=True, metavar="MODULE.NAME",
+    help="Admit this class when unpickling, e.g. argparse.Namespace (repeatable); safer than --trust.",
+)  # fmt: skip
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option("--to", "to", type=click.Choice(["single", "ddp", "keep"]), default="single", show_default=True,
+              help="single: remove module./_orig_mod.; ddp: then add module.; keep: leave wrappers.")  # fmt: skip
+@click.option("--strip", multiple=True, metavar="PREFIX", help="Also remove PREFIX (repeatable), e.g. Lightning's model.")
+@click.option("--add", multiple=True, metavar="PREFIX", help="Add PREFIX to every key (repeatable).")
+@click.option("--model-only", "--weights-only", "model_only", is_flag=True,
+              help="Write only the model state dict, dropping optimizer etc. (--weights-only: the former name).")  # fmt: skip
+@click.option("--key", metavar="PATH", help="Where the weights are in SRC, e.g. ema or ema/model.")
+@click.option("--trust", is_flag=True, help="Allow arbitrary unpickling of SRC. Only for files you trust.")
+@ALLOW_GLOBAL
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tuple[str, ...], add: tuple[str, ...],
+            model_only: bool, key: str | None, trust: bool, allow_global: tuple[str, ...], force: bool,
+            as_json: bool) -> None:  # fmt: skip
+    """Rewrite SRC's weight names for another wrapping into DST (format by DST suffix).
+
+    Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
+    they were unless --model-only. DST appears only when complete; SRC is never modified.
+    """
+    with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
+        report = convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
+                                    trust=trust, allow_globals=allow_global, force=force, progress=progress)  # fmt: skip
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    if report.fallback_reason:
+        click.echo(f"note: {report.fallback_reason}", err=True)
+    if report.dropped:
+        click.echo(f"note: not written (--model-only): {', '.join(report.dropped)}", err=True)
+    where = f" (weights at '{report.weights_at}')" if report.weights_at else ""
+    click.echo(
+        f"{report.destination}: {report.tensors} tensors{where}, {report.renamed} renamed "
+        f"({report.prefix_before or 'no prefix'} -> {report.prefix_after or 'no prefix'}), "
+        f"{human_bytes(report.bytes)}, {report.destination_format}"
+    )
+
+
+@main.command()
+@click.argument("file", type=click.Path(path_type=str))
+@click.option("--key", metavar="PATH", help="Where the weights are, if not found automatically.")
+@click.option("--all", "show_all", is_flag=True, help="List every key group, not the first 40.")
+@click.option("--trust", is_flag=True, help="Allow arbitrary unpickling. Only for files you trust.")
+@ALLOW_GLOBAL
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (every tensor listed).")
+@handle_errors
+def inspect(file: str, key: str | None, show_all: bool, trust: bool, allow_global: tuple[str, ...], as_json: bool) -> None:
+    """Summarise FILE: layout, where the weights are, wrapper prefixes, tensors, metadata."""
+    summary = inspect_checkpoint(file, key=key, trust=trust, allow_globals=allow_global)
+    if as_json:
+        emit_json(summary.to_dict())
+    else:
+        render_summary(summary, show_all=show_all)
+    if summary.needs_trust:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance.")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance.")
+@click.option("--key-a", metavar="PATH", help="Where the weights are in A.")
+@click.option("--key-b", metavar="PATH", help="Where the weights are in B.")
+@click.option("--trust", is_flag=True, help="Allow arbitrary unpickling. Only for files you trust.")
+@ALLOW_GLOBAL
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str | None, trust: bool,
+         allow_global: tuple[str, ...], as_json: bool) -> None:  # fmt: skip
+    """Compare the model weights of A and B across formats and prefixes. Exit 1 if they differ."""
+    report = diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust, allow_globals=allow_global)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        render_diff(report)
+    sys.exit(0 if report.equal else 1)
+
+
+@main.command()
+@click.argument("file", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@handle_errors
+def verify(file: str, as_json: bool) -> None:
+    """Check FILE's integrity (CRCs, bounds, shards) and that it loads without --trust. Exit 1 if not."""
+    report = verify_checkpoint(file)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        render_verify(report)
+    sys.exit(0 if report.ok else 1)

@@ -1,0 +1,15 @@
+"""Checkpoint formats, read and written without torch.
+
+Everything in this package is torch-free: it never imports torch, directly or through another
+module, so ``ckptkit convert`` and ``inspect`` run at copy speed and start in milliseconds
+(``tests/test_architecture.py`` imports each module in a fresh interpreter to hold that).
+Modules:
+
+- ``detect``: which format a path holds; ``dtypes``: the one dtype table;
+- ``torchzip``/``zipcheck``: torch's zip container, read and written; ``torchpickle``: torch's
+  pickles read through inert stand-ins; ``bounds``: declared sizes against real bytes;
+- ``safetensors``: the safetensors codec; ``dcp``: torch.distributed.checkpoint metadata;
+- ``scan``: which globals a pickle would import, without importing them;
+- ``rewrite``: renaming a checkpoint's keys by copying its bytes; ``fileio``/``atomic``: bounded
+  reads, kernel-side copies, CRC-32 and atomic durable writes.
+"""

@@ -1,0 +1,42 @@
+"""torch.distributed.checkpoint (DCP) metadata, checked without running it.
+
+torch reads DCP's ``.metadata`` with plain ``pickle.load``: a hostile folder runs code. This
+lists the globals ``.metadata`` names, without importing them, and tells DCP's own metadata
+classes (safe to unpickle) from anything else.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .dtypes import BY_NAME
+from .fileio import ClampedReader
+from .scan import pickle_globals
+
+_DCP_CLASSES = ("torch.distributed.checkpoint.metadata.", "torch.distributed.checkpoint.filesystem._StorageInfo")
+_OTHER_SAFE = frozenset(
+    {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict", "builtins.set", "builtins.frozenset",
+     "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.WindowsPath", "pathlib.PureWindowsPath",
+     "torch.strided", "torch.contiguous_format"}
+)  # fmt: skip
+
+
+def is_dcp_class(name: str) -> bool:
+    """True for a global DCP's ``.metadata`` may name safely (its dataclasses, dtypes, paths)."""
+    if name in _OTHER_SAFE or name.startswith(_DCP_CLASSES[0]) or name == _DCP_CLASSES[1]:
+        return True
+    module, _, attr = name.rpartition(".")
+    return module == "torch" and attr in BY_NAME
+
+
+def unsafe_metadata_globals(path: str | os.PathLike[str]) -> list[str]:
+    """The globals a DCP folder's ``.metadata`` names beyond DCP's own metadata classes."""
+    return [g for g in metadata_globals(path) if not is_dcp_class(g)]
+
+
+def metadata_globals(path: str | os.PathLike[str]) -> list[str]:
+    """The globals a DCP folder's ``.metadata`` pickle names, in first-use order."""
+    meta = Path(path) / ".metadata"
+    with open(meta, "rb") as f:
+        return list(dict.fromkeys(pickle_globals(ClampedReader(f))))  # type: ignore[arg-type]

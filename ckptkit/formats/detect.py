@@ -1,0 +1,91 @@
+"""Which checkpoint format a path holds, from its first bytes (and a zip's record names).
+
+Example:
+    >>> detect_format("fixtures/ddp.safetensors")  # doctest: +SKIP
+    'safetensors'
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import struct
+import zipfile
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
+
+Format = Literal["torch-zip", "torch-legacy", "safetensors", "dcp"]
+ZIP: Format = "torch-zip"
+LEGACY: Format = "torch-legacy"
+SAFETENSORS: Format = "safetensors"
+DCP: Format = "dcp"
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # pickle of 0x1950a86a20f9469cfc6c
+
+
+def check_exists(path: str | os.PathLike[str]) -> Path:
+    """Return ``path`` as a Path, or raise CheckpointNotFoundError naming close matches."""
+    p = Path(path)
+    if p.exists():
+        return p
+    near: list[str] = []
+    if p.parent.is_dir():
+        near = difflib.get_close_matches(p.name, [c.name for c in p.parent.iterdir()], n=3, cutoff=0.6)
+    hint = f"; similar names there: {', '.join(near)}" if near else ""
+    raise CheckpointNotFoundError(f"{p}: no such file{hint}", filename=str(p))
+
+
+def detect_format(path: str | os.PathLike[str]) -> Format:
+    """Return ZIP, LEGACY, SAFETENSORS or DCP for ``path``.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        UnsupportedCheckpointError: an intact file of a kind ckptkit does not read (a
+            TorchScript or torch.export archive).
+        CheckpointFormatError: not a checkpoint at all.
+    """
+    p = check_exists(path)
+    if p.is_dir():
+        if (p / ".metadata").is_file():
+            return DCP
+        raise CheckpointFormatError(
+            f"{p}: is a folder without a .metadata file, so not a torch.distributed.checkpoint; give a file"
+        )
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(16)
+        if size == 0:
+            raise CheckpointFormatError(f"{p}: file is empty")
+        if head.startswith(b"PK\x03\x04"):
+            _refuse_programs(p, f)
+            return ZIP
+    if head.startswith(_LEGACY_MAGIC):
+        return LEGACY
+    if len(head) >= 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if 8 + n <= size:
+            return SAFETENSORS
+    raise CheckpointFormatError(
+        f"{p}: not a checkpoint ckptkit knows (expected a torch zip or legacy file, safetensors, "
+        f"or a torch.distributed.checkpoint folder; first bytes {head[:8].hex()})"
+    )
+
+
+def _refuse_programs(p: Path, f: BinaryIO) -> None:
+    """Raise for the zip archives torch writes for programs rather than checkpoints."""
+    try:
+        names = zipfile.ZipFile(f).namelist()
+    except PARSE_ERRORS:
+        return  # damaged: the zip reader says how, with the details
+    base = {n.split("/", 1)[1] if "/" in n else n for n in names}
+    if "constants.pkl" in base or any(n.startswith("code/") for n in base):
+        raise UnsupportedCheckpointError(
+            f"{p}: is a TorchScript archive (torch.jit.save): a compiled program, not a checkpoint. "
+            f"Load it with torch.jit.load({str(p)!r}) and save its state_dict() to get one"
+        )
+    if "archive_format" in base or "models/model.json" in base:
+        raise UnsupportedCheckpointError(
+            f"{p}: is a torch.export archive (torch.export.save): a program, not a checkpoint. "
+            f"Load it with torch.export.load({str(p)!r}) and save .module().state_dict() to get one"
+        )

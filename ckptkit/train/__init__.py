@@ -1,0 +1,32 @@
+"""ckptkit's reference DDP trainer: resumable, preemption-safe, elastic.
+
+    ckptkit train --nproc 2 --out runs/demo                       # the built-in task, 2 processes
+    torchrun --standalone --nproc_per_node=2 -m ckptkit.train --out runs/demo
+    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 \\
+             --nproc_per_node=8 -m ckptkit.train --out /shared/run   # and node_rank=1 on the other
+    ckptkit train --nproc 4 --model mypkg.nets:make_model --data mypkg.data:make_datasets
+
+From code (under torchrun, or as one plain process):
+
+    from ckptkit.train import TrainConfig, train
+    train(TrainConfig(out="runs/x", epochs=10), model=MyNet(), data=(train_set, val_set))
+
+It reads top to bottom like nanoGPT's train.py, with every gap closed: rank-0 atomic saves
+that every rank waits for, weights-only loads, optimizer/scheduler/scaler/RNG/sampler state,
+mid-epoch resume, an agreed stop on SIGTERM, and a ``latest`` pointer that only ever names a
+complete file. Everything about checkpoints goes through ckptkit's public API.
+"""
+
+from __future__ import annotations
+
+from .config import TrainConfig, build_parser, parse_args
+from .loop import train
+from .task import default_data, default_model
+
+__all__ = ["TrainConfig", "build_parser", "default_data", "default_model", "main", "parse_args", "train"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the trainer on command-line arguments; 0 when it finished or saved and stopped."""
+    result = train(parse_args(argv))
+    return 0 if result["status"] in ("done", "preempted") else 1

@@ -1,0 +1,137 @@
+"""The layers hold: formats is torch-free, nothing imports upward or in a cycle, the CLI and the
+trainer use only the public API, and a function-level import only ever defers torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckptkit
+
+PACKAGE = Path(ckptkit.__file__).resolve().parent
+PUBLIC = {"ckptkit", "ckptkit.errors", "ckptkit.prefix"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> list[str]:
+    """The ckptkit modules an ``from X import a, b`` statement in ``module`` names."""
+    if node.level:
+        package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{node.module}" if node.module else package
+    else:
+        base = node.module or ""
+    if not base.startswith("ckptkit"):
+        return []
+    subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+    return subs or [base]
+
+
+def _imports(module: str) -> tuple[set[str], set[str], bool]:
+    """(ckptkit modules imported at module level, those imported inside functions, imports torch at module level)."""
+    tree = ast.parse(MODULES[module].read_text())
+    top: set[str] = set()
+    inner: set[str] = set()
+    torch = False
+
+    def visit(node: ast.AST, in_function: bool, in_type_checking: bool) -> None:
+        nonlocal torch
+        for child in ast.iter_child_nodes(node):
+            function = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            checking = in_type_checking or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                names = _resolve(module, child) if child.level or (child.module or "").startswith("ckptkit") else [child.module or ""]
+            if not checking:
+                for name in names:
+                    if name.split(".")[0] == "torch" and not function:
+                        torch = True
+                    if name.startswith("ckptkit"):
+                        (inner if function else top).add(name)
+            visit(child, function, checking)
+
+    visit(tree, False, False)
+    top.discard(module)
+    return top, inner, torch
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _imports_torch(module: str, seen: frozenset[str] = frozenset()) -> bool:
+    top, _, torch = GRAPH[module]
+    return torch or any(_imports_torch(m, seen | {module}) for m in top if m in GRAPH and m not in seen)
+
+
+def test_formats_never_imports_torch() -> None:
+    formats = sorted(m for m in MODULES if m.startswith("ckptkit.formats"))
+    assert len(formats) > 10
+    script = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in formats)
+    script += "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False"]
+
+
+def test_no_import_cycles() -> None:
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for dep in sorted(GRAPH[m][0]):
+            if dep not in GRAPH:
+                continue
+            assert state.get(dep) != 1, "import cycle: " + " -> ".join([*path, m, dep])
+            if dep not in state:
+                walk(dep, [*path, m])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            walk(m, [])
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ckptkit.formats")))
+def test_formats_imports_only_formats_and_errors(module: str) -> None:
+    top, inner, torch = GRAPH[module]
+    assert not torch
+    assert {m for m in top | inner if not m.startswith("ckptkit.formats")} <= {"ckptkit.errors"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(("ckptkit.cli", "ckptkit.train", "ckptkit._trainlog"))))
+def test_cli_and_trainer_use_only_the_public_api(module: str) -> None:
+    top, inner, _ = GRAPH[module]
+    own = ("ckptkit.cli", "ckptkit.train", "ckptkit._trainlog")
+    assert {m for m in top | inner if not m.startswith(own)} <= PUBLIC
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(("ckptkit.cli", "ckptkit.train"))))
+def test_the_library_never_imports_its_clients(module: str) -> None:
+    top, inner, _ = GRAPH[module]
+    assert not {m for m in top | inner if m.startswith(("ckptkit.cli", "ckptkit.train"))}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_function_level_imports_only_defer_torch(module: str) -> None:
+    _, inner, _ = GRAPH[module]
+    not_deferring = sorted(m for m in inner if m in GRAPH and not _imports_torch(m))
+    assert not not_deferring, f"{module} imports {not_deferring} inside a function, but they do not import torch"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_small(path: Path) -> None:
+    assert len(path.read_text().splitlines()) <= 320, "split it: one concern per module, about 300 lines"
