@@ -1,0 +1,251 @@
+"""The public API is coherent: every reader takes trust and allow_globals, messages speak the
+caller's spelling, errors are typed by what happened, and the top level stays small."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptkit
+import ckptkit.errors
+import ckptkit.prefix
+from ckptkit.cli import main
+from fixtures.models import TinyNet
+from tests.test_seams import _dcp_folder
+
+REPO = Path(ckptkit.__file__).resolve().parents[1]
+
+
+def run(*args: object) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _namespace_training_state(path: Path) -> None:
+    model = TinyNet()
+    ckptkit.save_training_state(path, model=model, step=3, extra={"args": argparse.Namespace(lr=0.1)})
+
+
+# -- allow_globals everywhere, as objects or names --------------------------------------------
+
+
+@pytest.mark.parametrize("allow", [[argparse.Namespace], ["argparse.Namespace"]])
+def test_every_reader_takes_allow_globals(fixtures_dir: Path, tmp_path: Path, allow: list[object]) -> None:
+    src = fixtures_dir / "needs_trust.pt"
+    assert ckptkit.read_checkpoint(src, allow_globals=allow)["args"].lr == 0.01
+    assert ckptkit.load_for_rank(src, model=TinyNet(), allow_globals=allow, verify=True)["args"].epochs == 3
+    report = ckptkit.convert_checkpoint(src, tmp_path / "out.pt", allow_globals=allow)
+    assert report.renamed == 0 and not report.fast
+    assert ckptkit.inspect_checkpoint(src, allow_globals=allow).weights_at == "model"
+    assert ckptkit.diff_checkpoints(src, fixtures_dir / "plain.pt", allow_globals=allow).equal
+    _namespace_training_state(tmp_path / "state.pt")
+    state = ckptkit.load_training_state(tmp_path / "state.pt", model=TinyNet(), allow_globals=allow)
+    assert state.extra["args"].lr == 0.1 and state.step == 3
+
+
+def test_readers_refuse_without_allow_globals(fixtures_dir: Path, tmp_path: Path) -> None:
+    src = fixtures_dir / "needs_trust.pt"
+    _namespace_training_state(tmp_path / "state.pt")
+    calls = [
+        lambda: ckptkit.read_checkpoint(src),
+        lambda: ckptkit.load_for_rank(src, verify=True),
+        lambda: ckptkit.convert_checkpoint(src, tmp_path / "out.pt"),
+        lambda: ckptkit.diff_checkpoints(src, src),
+        lambda: ckptkit.load_training_state(tmp_path / "state.pt", model=TinyNet()),
+    ]
+    for call in calls:
+        with pytest.raises(ckptkit.errors.UnsafeCheckpointError) as info:
+            call()
+        assert info.value.globals == ("argparse.Namespace",)
+    assert ckptkit.inspect_checkpoint(src).needs_trust == ["argparse.Namespace"]
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "diff"])
+def test_cli_allow_global(fixtures_dir: Path, tmp_path: Path, command: str) -> None:
+    src = fixtures_dir / "needs_trust.pt"
+    args = {"convert": [src, tmp_path / "o.pt"], "inspect": [src], "diff": [src, fixtures_dir / "plain.pt"]}[command]
+    code, out, err = run(command, *args)
+    assert code == 1 and "--allow-global argparse.Namespace" in " ".join((out + err).split())
+    code, out, err = run(command, *args, "--allow-global", "argparse.Namespace")
+    assert code == 0, err
+
+
+def test_cli_allow_global_that_cannot_be_imported_is_a_usage_error(fixtures_dir: Path, tmp_path: Path) -> None:
+    code, _, err = run("convert", fixtures_dir / "needs_trust.pt", tmp_path / "o.pt", "--allow-global", "argparse.Nope")
+    assert code == 2
+    assert err.startswith("ckptkit: error: --allow-global argparse.Nope: cannot import") and len(err.splitlines()) == 1
+    with pytest.raises(ckptkit.errors.ArgumentError, match=r"allow_globals=\['argparse.Nope'\]"):
+        ckptkit.read_checkpoint(fixtures_dir / "needs_trust.pt", allow_globals=["argparse.Nope"])
+
+
+# -- messages in the caller's spelling ---------------------------------------------------------
+
+
+def test_messages_name_keywords_in_python_and_flags_on_the_command_line(fixtures_dir: Path, tmp_path: Path) -> None:
+    src = fixtures_dir / "needs_trust.pt"
+    with pytest.raises(ckptkit.errors.UnsafeCheckpointError) as info:
+        ckptkit.convert_checkpoint(src, tmp_path / "o.pt")
+    assert "trust=True" in str(info.value) and "allow_globals=[argparse.Namespace]" in str(info.value)
+    assert "--" not in str(info.value)
+    code, _, err = run("convert", src, tmp_path / "o.pt")
+    assert "--trust" in err and "--allow-global argparse.Namespace" in err
+    assert "trust=True" not in err and "allow_globals" not in err
+    (tmp_path / "taken.pt").write_bytes(b"x")
+    with pytest.raises(ckptkit.errors.ArgumentError, match=r"pass force=True to replace it"):
+        ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", tmp_path / "taken.pt")
+    assert "pass --force to replace it" in run("convert", fixtures_dir / "plain.pt", tmp_path / "taken.pt")[2]
+    with pytest.raises(ckptkit.errors.ArgumentError, match=r"pass model_only=True"):
+        ckptkit.convert_checkpoint(fixtures_dir / "train_ckpt.pt", tmp_path / "o.safetensors")
+
+
+# -- model_only, its former name, and --weights-only -------------------------------------------
+
+
+def test_model_only_and_its_former_names(fixtures_dir: Path, tmp_path: Path) -> None:
+    src = fixtures_dir / "train_ckpt.pt"
+    new = ckptkit.convert_checkpoint(src, tmp_path / "a.safetensors", model_only=True)
+    with pytest.warns(DeprecationWarning, match="model_only"):
+        old = ckptkit.convert_checkpoint(src, tmp_path / "b.safetensors", weights_only=True)
+    assert new.dropped == old.dropped == ["optimizer", "scheduler", "epoch", "step", "best_loss"]
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    code, _, err = run("convert", src, tmp_path / "c.safetensors", "--weights-only")
+    assert code == 0, err
+    assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "a.safetensors").read_bytes()
+
+
+def test_to_is_checked(fixtures_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ckptkit.errors.ArgumentError, match="to must be 'single', 'ddp' or 'keep'"):
+        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "o.pt", to="plain")  # type: ignore[arg-type]
+    assert not (tmp_path / "o.pt").exists()
+
+
+# -- one suffix table -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "is_zip"), [("a.tar", True), ("b.Pt", True), ("c.weights", True), ("d.SafeTensors", False)])
+def test_write_checkpoint_follows_the_suffix_table(tmp_path: Path, name: str, is_zip: bool) -> None:
+    ckptkit.write_checkpoint({"w": torch.ones(2)}, tmp_path / name)
+    assert (tmp_path / name).read_bytes()[:4] == b"PK\x03\x04" if is_zip else (tmp_path / name).read_bytes()[8:9] == b"{"
+    assert torch.equal(ckptkit.read_checkpoint(tmp_path / name)["w"], torch.ones(2))
+
+
+def test_convert_refuses_an_unknown_suffix_and_reads_tar(fixtures_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ckptkit.errors.ArgumentError, match="unknown output suffix '.weights'"):
+        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "o.weights")
+    ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "model_best.pth.tar")
+    assert list(ckptkit.read_checkpoint(tmp_path / "model_best.pth.tar"))[0] == "fc1.weight"
+
+
+# -- DCP folders: allow_globals and map_location ----------------------------------------------
+
+
+def test_dcp_honours_allow_globals_and_map_location(tmp_path: Path) -> None:
+    folder = _dcp_folder(tmp_path)  # {"w": arange(4.0), "ns": Namespace(a=1)}
+    got = ckptkit.read_checkpoint(folder, allow_globals=[argparse.Namespace], map_location="meta")
+    assert got["ns"].a == 1 and got["w"].device.type == "meta" and got["w"].shape == (4,)
+    assert ckptkit.load_for_rank(folder, allow_globals=["argparse.Namespace"], verify=True)["ns"].a == 1
+    with pytest.raises(ckptkit.errors.ArgumentError, match="takes a device as map_location"):
+        ckptkit.read_checkpoint(folder, trust=True, map_location={"cuda:0": "cpu"})
+
+
+# -- errors typed by what happened ------------------------------------------------------------
+
+
+def test_torch_export_archive_is_unsupported_not_damaged(tmp_path: Path) -> None:
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(M(), (torch.randn(1, 2),)), str(tmp_path / "m.pt2"))
+    for call in (ckptkit.read_checkpoint, ckptkit.inspect_checkpoint, lambda p: ckptkit.load_for_rank(p, verify=True)):
+        with pytest.raises(ckptkit.errors.UnsupportedCheckpointError, match=r"torch\.export archive") as info:
+            call(tmp_path / "m.pt2")
+        assert "damaged" not in str(info.value) and "torch.export.load" in str(info.value)
+    report = ckptkit.verify_checkpoint(tmp_path / "m.pt2")
+    assert not report.ok and "torch.export" in report.checks[0].detail
+
+
+def test_a_pickled_ddp_module_needs_a_process_group_it_is_not_damaged(tmp_path: Path) -> None:
+    path = tmp_path / "ddp_module.pt"
+    code = (
+        "import os, sys, torch, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        f"torch.save(m, {str(path)!r})\n"
+        "dist.destroy_process_group()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    with pytest.raises(ckptkit.errors.DistributedError, match="needs a torch.distributed process group") as info:
+        ckptkit.load_for_rank(path, trust=True)
+    assert "damaged" not in str(info.value)
+
+
+def test_class_not_found_is_an_import_error(tmp_path: Path) -> None:
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "vanishing_mod_x1.py").write_text("class Thing:\n    pass\n")
+    code = f"import sys, torch; sys.path.insert(0, {str(mods)!r}); import vanishing_mod_x1 as m; torch.save({{'t': m.Thing()}}, {str(tmp_path / 'p.pt')!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    with pytest.raises(ImportError) as info:
+        ckptkit.read_checkpoint(tmp_path / "p.pt", trust=True)
+    assert isinstance(info.value, ckptkit.errors.ClassNotFoundError) and "PYTHONPATH" in str(info.value)
+
+
+def test_a_truncated_legacy_file_is_not_called_damaged_with_certainty(fixtures_dir: Path, tmp_path: Path) -> None:
+    data = (fixtures_dir / "legacy_ddp.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="holds no checksums"):
+        ckptkit.read_checkpoint(tmp_path / "cut.pt")
+
+
+def test_verify_reports_typed_checks(fixtures_dir: Path) -> None:
+    report = ckptkit.verify_checkpoint(fixtures_dir / "needs_trust.pt")
+    kinds = {c.name: c.kind for c in report.checks}
+    assert kinds["CRC-32 of every record"] == "integrity" and kinds["safe to load"] == "safety"
+    assert report.intact and not report.ok
+    safety = next(c for c in report.checks if c.kind == "safety")
+    assert safety.needs == ("argparse.Namespace",)
+    assert {c["kind"] for c in report.to_dict()["checks"]} == {"integrity", "safety"}
+    report.gate(trust=True)
+    report.gate(allow_globals=[argparse.Namespace])
+    with pytest.raises(ckptkit.errors.UnsafeCheckpointError):
+        report.gate()
+
+
+def test_commit_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    ckptkit.save_on_master({"w": torch.ones(1)}, tmp_path / "elsewhere.pt")
+    with pytest.raises(ckptkit.errors.ArgumentError, match="is not in"):
+        ckptkit.CheckpointFolder(tmp_path / "c").commit(tmp_path / "elsewhere.pt")
+    assert not (tmp_path / "c" / "latest").exists()
+
+
+# -- a small top level, errors and prefix tools as submodules ---------------------------------
+
+
+def test_the_top_level_is_small_and_resolves() -> None:
+    assert len(ckptkit.__all__) <= 22
+    for name in ckptkit.__all__:
+        assert getattr(ckptkit, name) is not None
+    for name in ckptkit.errors.__all__:
+        cls = getattr(ckptkit.errors, name)
+        assert issubclass(cls, ckptkit.CkptkitError)
+        assert cls is ckptkit.CkptkitError or any(b.__module__ == "builtins" and b is not Exception for b in cls.__mro__[1:-2])
+    assert ckptkit.prefix.strip_prefix is ckptkit.strip_prefix
+    # names of earlier releases still resolve, from their one home
+    assert ckptkit.UnsafeCheckpointError is ckptkit.errors.UnsafeCheckpointError
+    assert ckptkit.detect_prefixes is ckptkit.prefix.detect_prefixes
