@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -133,3 +134,52 @@ def test_safetensors_dtypes(tmp_path: Path, dtype: torch.dtype) -> None:
     loaded = ckptkit.read_checkpoint(tmp_path / "d.safetensors")
     assert loaded["t"].dtype == dtype and torch.equal(loaded["t"].view(torch.uint8), t.view(torch.uint8))
     assert loaded["empty"].shape == (0, 4)
+
+
+def test_async_staging_records_the_device_the_tensors_came_from(tmp_path: Path) -> None:
+    """A staged host copy of a GPU tensor is saved with the GPU's tag, as a sync save would be
+    (tests/test_cuda.py checks the whole path on a GPU; this checks the tagging on any machine)."""
+    from ckptkit.dist.async_save import _STAGED_TAGS, _tag_as
+    from ckptkit.formats import torchpickle
+    from ckptkit.formats.torchzip import TorchZip
+
+    def tags(path: Path) -> set[str]:
+        found: set[str] = set()
+        with TorchZip(path) as z:
+            torchpickle.loads(z.read(f"{z.prefix}data.pkl"), on_storage=lambda ref: found.add(ref.location))
+        return found
+
+    staged, other = torch.ones(4), torch.zeros(2)
+    key = _tag_as(staged.untyped_storage(), "cuda:3")
+    try:
+        torch.save({"staged": staged, "other": other}, tmp_path / "during.pt")
+    finally:
+        _STAGED_TAGS.pop(key)
+    torch.save({"staged": staged}, tmp_path / "after.pt")
+    assert tags(tmp_path / "during.pt") == {"cuda:3", "cpu"}
+    assert tags(tmp_path / "after.pt") == {"cpu"}
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def _async_cases() -> dict[str, object]:
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    base = torch.arange(10.0)
+    return {
+        "views of one storage": {"whole": base, "part": base[2:5], "strided": base[::3]},
+        "conjugate and negative views": {"conj": z.conj(), "conj part": z.conj()[1:], "neg": torch._neg_view(torch.ones(3))},
+        "requires_grad and a Parameter": {"leaf": torch.ones(2, requires_grad=True), "param": torch.nn.Parameter(torch.ones(3))},
+        "containers keep their type": {"nt": Point(torch.ones(1), 2), "dd": collections.defaultdict(list, {"k": torch.zeros(2)}),
+                                       "list": [torch.ones(1), (torch.zeros(1), 3)]},
+        "sparse": {"s": torch.eye(3).to_sparse()},
+    }
+
+
+@pytest.mark.parametrize("case", list(_async_cases()))
+def test_async_save_writes_the_bytes_a_sync_save_writes(tmp_path: Path, case: str) -> None:
+    obj = _async_cases()[case]
+    with ckptkit.AsyncSaver() as saver:
+        saver.save(obj, tmp_path / "async.pt")
+    ckptkit.save_on_master(obj, tmp_path / "sync.pt")
+    assert (tmp_path / "async.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()

@@ -10,9 +10,9 @@ re-raises its error.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,22 @@ from . import collectives as _dist
 from .rank0 import write_and_agree
 
 _CHANNEL = "background"
+# Host copies of device storages -> the device tag the original had ("cuda:0"), so the file
+# records where the tensors lived, exactly as a synchronous save of the live tensors does.
+_STAGED_TAGS: dict[int, str] = {}
+_tagger_registered = False
+
+
+def _tag_as(host_storage: Any, tag: str) -> int:
+    global _tagger_registered
+    if not _tagger_registered:
+        import torch
+
+        # Priority 0 runs before torch's own taggers (cpu is 10); None defers to them.
+        torch.serialization.register_package(0, lambda s: _STAGED_TAGS.get(s.data_ptr()), lambda s, location: None)
+        _tagger_registered = True
+    _STAGED_TAGS[host_storage.data_ptr()] = tag
+    return int(host_storage.data_ptr())
 
 
 class AsyncSaver:
@@ -38,6 +54,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pinned: list[Any] = []
+        self._tagged: list[int] = []  # _STAGED_TAGS keys of the save being staged
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, on_done: Callable[[], None] | None = None) -> None:
         """Like :func:`save_on_master`, returning once ``obj`` is copied. Must be called on all ranks."""
@@ -80,6 +97,7 @@ class AsyncSaver:
 
     def _start(self, staged: Any, path: Path, on_done: Callable[[], None] | None) -> None:
         _dist.ensure_channel(self.timeout, _CHANNEL)  # a collective: create the group here, not in the thread
+        tagged, self._tagged = self._tagged, []
 
         def work() -> None:
             try:
@@ -88,17 +106,21 @@ class AsyncSaver:
                     on_done()
             except BaseException as e:  # kept and re-raised in the training thread by wait()
                 self._error = e
+            finally:
+                for key in tagged:
+                    _STAGED_TAGS.pop(key, None)
 
         self._thread = threading.Thread(target=work, name="ckptkit-async-save", daemon=False)
         self._thread.start()
 
     def _stage(self, obj: Any) -> Any:
-        """Copy every storage to host memory now, once each: views and tied weights stay shared,
-        so the file is the one a synchronous save writes. Containers are rebuilt, other values
-        shared."""
+        """Copy every tensor to host memory now, each storage once: views and tied weights stay
+        shared, so the file is the one a synchronous save writes. Containers are rebuilt (their
+        type kept), other values shared."""
         import torch
 
         hosts: dict[tuple[str, int], Any] = {}  # (device, data_ptr) of a live storage -> its host copy
+        cuda_devices: set[Any] = set()
         device_copies = 0
 
         def host_storage(t: torch.Tensor) -> Any:
@@ -110,40 +132,56 @@ class AsyncSaver:
             if storage.device.type == "cpu":
                 copy = storage.clone()
             else:
+                cuda = storage.device.type == "cuda"
                 # Pinned buffers are reused between saves (the next save waits for this one).
                 i, device_copies = device_copies, device_copies + 1
                 if i < len(self._pinned) and self._pinned[i].numel() == storage.nbytes():
                     buf = self._pinned[i]
                 else:
-                    buf = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                    buf = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=cuda)
                     self._pinned[i:i + 1] = [buf]
                 copy = buf.untyped_storage()
-                copy.copy_(storage, non_blocking=True)
+                copy.copy_(storage, non_blocking=cuda)  # other accelerators: a blocking copy
+                if cuda:
+                    cuda_devices.add(storage.device)
+                self._tagged.append(_tag_as(copy, torch.serialization.location_tag(storage)))
             hosts[ident] = copy
             return copy
 
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            view = torch.empty(0, dtype=t.dtype).set_(host_storage(t), t.storage_offset(), t.shape, t.stride())
-            return torch.nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else view
+        def copy_tensor(t: torch.Tensor) -> torch.Tensor:
+            plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+            if t.device.type == "meta":
+                return t  # no data to copy
+            if plain and not t.is_quantized:
+                out = torch.empty(0, dtype=t.dtype).set_(host_storage(t), t.storage_offset(), t.shape, t.stride())
+                # The storage holds the bits before a lazy conjugation or negation: apply it again.
+                out = out.conj() if t.is_conj() else out
+                out = torch._neg_view(out) if t.is_neg() else out
+            else:  # sparse, quantized, subclasses: copied as torch copies them
+                out = t.detach().to("cpu", copy=True)
+            if isinstance(t, torch.nn.Parameter):
+                return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+            return out.requires_grad_() if t.requires_grad else out
 
         def walk(node: Any) -> Any:
             if isinstance(node, torch.Tensor):
-                return copy(node.detach() if not isinstance(node, torch.nn.Parameter) else node)
-            if isinstance(node, Mapping):
-                out: dict[Any, Any] = OrderedDict() if isinstance(node, OrderedDict) else {}
+                return copy_tensor(node)
+            if isinstance(node, dict):
+                out = copy.copy(node)  # keeps OrderedDict/defaultdict and attributes such as _metadata
                 for k, v in node.items():
                     out[k] = walk(v)
-                if hasattr(node, "_metadata"):
-                    out._metadata = node._metadata  # type: ignore[attr-defined]
                 return out
+            if isinstance(node, Mapping):
+                return {k: walk(v) for k, v in node.items()}
             if isinstance(node, list):
                 return [walk(v) for v in node]
-            if isinstance(node, tuple) and not hasattr(node, "_fields"):
-                return tuple(walk(v) for v in node)
+            if isinstance(node, tuple):
+                items = [walk(v) for v in node]
+                return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
             return node
 
         with torch.no_grad():
             staged = walk(obj)
-        if device_copies:
-            torch.cuda.current_stream().synchronize()  # copies done before training mutates the tensors
+        for device in cuda_devices:  # copies done before training mutates the tensors
+            torch.cuda.current_stream(device).synchronize()
         return staged
