@@ -32,5 +32,5 @@ def test_cuda_state_is_absent_without_cuda() -> None:
     if torch.cuda.is_available():
         import pytest
 
-        pytest.skip("CUDA present: covered by the cuda-marked tests")
+        pytest.skip("CUDA present: tests/test_cuda.py covers its state")
     assert ckptkit.capture_rng_state()["cuda"] is None
