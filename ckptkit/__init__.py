@@ -6,13 +6,14 @@ exception) and :mod:`ckptkit.prefix` (the key-renaming tools). Names are importe
 The names of earlier releases that now live in those submodules (``ckptkit.UnsafeCheckpointError``,
 ``ckptkit.detect_prefixes``...) still resolve here.
 
-Layers, each importing only those below it (``tests/test_architecture.py`` holds this):
+Layers, each importing only its own and those below it (``tests/test_architecture.py`` holds
+this; README's "Architecture" section lists every module):
 
-- ``ckptkit.cli`` and ``ckptkit.train``: clients of the public API only;
-- the public API: ``_convert``, ``_inspect``, ``_diff``, ``_verify``, ``_load``, ``_state``...;
-- ``ckptkit.dist`` (collectives, the rank-0 protocol, async saving, checkpoint folders,
-  preemption) beside the read/fit/prefix/layout/state/RNG/sampler modules;
-- ``ckptkit.formats``: torch-free readers and writers; it never imports torch.
+3. ``ckptkit.cli`` and ``ckptkit.train``: clients of the public API only;
+2. the public API's front: this package, ``_convert``, ``_inspect``, ``_diff``, ``_load``;
+1. ``ckptkit.dist`` (collectives, the rank-0 protocol, async saving, checkpoint folders,
+   preemption) beside the read/write/verify/state/fit/prefix/RNG/sampler modules;
+0. ``ckptkit.errors`` and ``ckptkit.formats``: torch-free readers and writers; never torch.
 
 Example:
     >>> import ckptkit

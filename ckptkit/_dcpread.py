@@ -18,7 +18,7 @@ from typing import Any
 
 from ._devices import MapLocation, single_device
 from ._safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
-from .errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError, spell, summarize
+from .errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError
 from .formats.dcp import unsafe_metadata_globals
 from .formats.scan import pickle_globals
 
@@ -45,12 +45,7 @@ def read_dcp(
         raise CheckpointFormatError(f"{folder}/.metadata: {e}") from e
     unsafe = [g for g in unsafe if g not in {global_name(a) for a in allowed}]
     if unsafe and not trust:
-        raise UnsafeCheckpointError(
-            f"{folder}: refused to load: its .metadata needs {len(unsafe)} global(s) beyond DCP's own metadata "
-            f"classes: {summarize(unsafe)}. torch would unpickle them with plain pickle, which can run code. "
-            f"If you trust this folder, pass {spell('trust=True', '--trust')}",
-            unsafe,
-        )
+        raise unsafe_error(str(folder), unsafe, where=" its .metadata", plain_pickle=True)
     state = _load(folder, trust, allowed)
     return _to_device(state, device) if device != "cpu" else state
 

@@ -13,6 +13,7 @@ from .dist import collectives
 from .errors import ArgumentError
 
 MapLocation = Any  # str | torch.device | dict[str, str] | Callable[[storage, str], storage]
+NO_CUDA_FIX = "pass map_location=\"cpu\", or leave it out to load onto this rank's device"
 
 
 def device_for_rank(*, local_rank: int | None = None, cuda_available: bool | None = None, device_count: int | None = None) -> str:
@@ -58,8 +59,7 @@ def check_device(map_location: MapLocation, source: str) -> None:
 
     if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cuda" and not torch.cuda.is_available():
         raise ArgumentError(
-            f"{source}: map_location={str(map_location)!r} names a CUDA device, but this machine has no CUDA; "
-            "pass map_location=\"cpu\", or leave it out to load onto this rank's device"
+            f"{source}: map_location={str(map_location)!r} names a CUDA device, but this machine has no CUDA; {NO_CUDA_FIX}"
         )
 
 

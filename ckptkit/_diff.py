@@ -43,11 +43,11 @@ class DiffReport:
         return {**asdict(self), "equal": self.equal}
 
 
-def _weights(path: str, key: str | None, trust: bool, allow_globals: AllowGlobals) -> Any:
+def _weights(path: str, key: str | None, trust: bool, allow_globals: AllowGlobals, option: str) -> Any:
     from ._read import read_checkpoint  # deferred: diff is reached from the CLI, which starts without torch
 
     obj = read_checkpoint(path, map_location="cpu", trust=trust, allow_globals=allow_globals)
-    return rewrite_prefixes(find_model_state(obj, key=key, source=path)[1], to="single")
+    return rewrite_prefixes(find_model_state(obj, key=key, source=path, option=option)[1], to="single")
 
 
 def _compare(name: str, x: Any, y: Any, atol: float, rtol: float) -> TensorDiff | None:
@@ -98,7 +98,7 @@ def diff_checkpoints(
         True
     """
     pa, pb = os.fspath(a), os.fspath(b)
-    wa, wb = _weights(pa, key_a, trust, allow_globals), _weights(pb, key_b, trust, allow_globals)
+    wa, wb = _weights(pa, key_a, trust, allow_globals, "key_a"), _weights(pb, key_b, trust, allow_globals, "key_b")
     report = DiffReport(pa, pb, atol=atol, rtol=rtol)
     report.only_in_a = [k for k in wa if k not in wb]
     report.only_in_b = [k for k in wb if k not in wa]

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import StateDictMismatchError, spell, summarize
+from .errors import StateDictMismatchError, summarize
 from .prefix import WRAPPER_PREFIXES, adapt_state_dict, detect_prefixes
 
 
@@ -41,11 +41,8 @@ def _mismatch_message(source: str, model: Any, found: tuple[list[str], list[str]
     hint = "Fix the model definition, or pass strict=False to load only the keys that fit"
     common = detect_prefixes(unexpected).common if len(unexpected) > 1 else ""
     healed = {k[len(common):] for k in unexpected} & set(missing) if common else set()
-    if len(healed) * 2 >= len(unexpected):  # dropping the prefix would fix most of them
-        hint = (
-            f"The checkpoint's extra keys all start with {common!r}: pass "
-            f"{spell(f'wrappers=(..., {common!r})', f'--strip {common}')} to treat it as a wrapper prefix"
-        )
+    if healed and len(healed) * 2 >= len(unexpected):  # dropping the prefix would fix most of them
+        hint = f"The checkpoint's extra keys all start with {common!r}: pass wrappers=(..., {common!r}) to treat it as a wrapper prefix"
     return f"{source} does not fit {type(model).__name__}: {'; '.join(parts)}. {hint}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import LayoutError, summarize
+from .errors import LayoutError, spell, summarize
 
 MODEL_KEYS: tuple[str, ...] = ("state_dict", "model", "model_state_dict", "module", "net", "network", "weights")
 
@@ -39,7 +39,12 @@ def is_state_dict(obj: Any, is_tensor: Callable[[Any], bool] | None = None) -> b
 
 
 def find_model_state(
-    obj: Any, *, key: str | None = None, is_tensor: Callable[[Any], bool] | None = None, source: str = "checkpoint"
+    obj: Any,
+    *,
+    key: str | None = None,
+    is_tensor: Callable[[Any], bool] | None = None,
+    source: str = "checkpoint",
+    option: str = "key",
 ) -> tuple[tuple[str, ...], Mapping[str, Any]]:
     """Locate the model state dict inside a loaded checkpoint.
 
@@ -49,6 +54,7 @@ def find_model_state(
             automatically when omitted.
         is_tensor: predicate for tensor values (default: ``isinstance(v, torch.Tensor)``).
         source: the file name, for error messages.
+        option: the caller's name for ``key`` (``key_a`` for diff's first file), for messages.
 
     Returns:
         ``(path, state_dict)``, where ``path`` is ``()`` for a bare state dict, else the keys
@@ -58,6 +64,7 @@ def find_model_state(
         LayoutError: no state dict at ``key``, or none of the usual places holds one.
     """
     is_tensor = is_tensor or _default_is_tensor
+    say = spell(f"{option}=", "--" + option.replace("_", "-"))
     if key is not None:
         node = obj
         path = tuple(p for p in key.split("/") if p)
@@ -83,13 +90,10 @@ def find_model_state(
             return (candidates[0],), obj[candidates[0]]
         top = summarize([str(k) for k in obj.keys()]) or "none"
         if candidates:
-            raise LayoutError(
-                f"{source}: several entries hold state dicts ({summarize(candidates)}); "
-                "say which with key= (CLI: --key)"
-            )
+            raise LayoutError(f"{source}: several entries hold state dicts ({summarize(candidates)}); say which with {say}")
         raise LayoutError(
             f"{source}: no model state dict found; looked at the top level and at "
-            f"{', '.join(MODEL_KEYS)} (top-level entries: {top}); say where with key= (CLI: --key)"
+            f"{', '.join(MODEL_KEYS)} (top-level entries: {top}); say where with {say}"
         )
     raise LayoutError(f"{source}: holds a {type(obj).__name__}, not a state dict or a dict of entries")
 

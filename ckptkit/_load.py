@@ -36,7 +36,9 @@ def load_for_rank(
     collective: each rank reads the file itself.
 
     Args:
-        path: a torch checkpoint (zip or legacy format) or a ``.safetensors`` file.
+        path: a torch checkpoint (zip or legacy format), a ``.safetensors`` file or a
+            ``torch.distributed.checkpoint`` folder (these two record no device: they land on
+            this rank's device).
         model: when given, the weights are found in the checkpoint (top level, or under
             ``state_dict``/``model``/``model_state_dict``/``module``...), their wrapper prefixes
             (``module.``, ``_orig_mod.``, nested) adapted to ``model``'s, and loaded.
@@ -46,18 +48,20 @@ def load_for_rank(
             :class:`StateDictMismatchError` listing all of them; when False those are skipped.
         trust: allow arbitrary unpickling. Only for files you trust: a pickle can run code.
         allow_globals: classes or functions to admit without trusting everything, e.g.
-            ``[argparse.Namespace]``.
+            ``[argparse.Namespace]`` or ``["argparse.Namespace"]``.
         wrappers: wrapper prefixes to adapt; add ``"model."`` for Lightning checkpoints.
         mmap: memory-map zip checkpoints instead of reading them into memory.
-        verify: check integrity first (every zip CRC-32, ckptkit's safetensors CRCs, bounds):
-            reads the whole file once; torch.load itself checks no CRC.
+        verify: check integrity first (every zip CRC-32, ckptkit's safetensors CRCs, bounds,
+            DCP shards): reads the whole file once; torch.load itself checks no CRC.
 
     Returns:
         The whole checkpoint object (so a training checkpoint's other entries are at hand).
 
     Raises:
-        CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, LayoutError,
-        StateDictMismatchError.
+        CheckpointNotFoundError, CheckpointFormatError (damaged, or not a checkpoint),
+        UnsupportedCheckpointError (a TorchScript or torch.export archive), UnsafeCheckpointError,
+        ClassNotFoundError (a trusted pickle's class cannot be imported), DistributedError (a
+        trusted pickle needs a process group), ArgumentError, LayoutError, StateDictMismatchError.
 
     Example:
         >>> ckpt = load_for_rank("ckpt.pt", model=model)  # doctest: +SKIP

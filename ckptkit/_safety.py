@@ -73,20 +73,35 @@ def filter_unsafe(names: Sequence[str], allow: AllowGlobals = ()) -> list[str]:
     return [g for g in names if g not in allowed and not (fallback and g.startswith("torch."))]
 
 
-def unsafe_error(source: str, unsafe: Sequence[str], *, where: str = "") -> UnsafeCheckpointError:
-    """The refusal for a file whose pickle needs ``unsafe`` globals, with both ways out."""
+def _options(unsafe: Sequence[str], joiner: str = " or ") -> str:
+    shown = list(unsafe[:3])
+    more = ", ..." if len(unsafe) > 3 else ""
+    allow = spell(f"allow_globals=[{', '.join(shown)}{more}]", " ".join(f"--allow-global {g}" for g in shown) + more.replace(",", ""))
+    return f"{allow}{joiner}{spell('trust=True', '--trust')}"
+
+
+def needs_text(unsafe: Sequence[str], *, beyond: str = "torch's weights-only allowlist") -> str:
+    """``names X, Y, beyond ...: loading it needs allow_globals=[X, Y] or trust=True`` (caller's spelling)."""
+    beyond = "DCP's own metadata classes" if beyond == "DCP" else beyond
+    return f"names {summarize(list(unsafe))}, beyond {beyond}: loading it needs {_options(unsafe)}"
+
+
+def unsafe_error(source: str, unsafe: Sequence[str], *, where: str = "", plain_pickle: bool = False) -> UnsafeCheckpointError:
+    """The refusal for a file whose pickle needs ``unsafe`` globals, with both ways out.
+
+    ``plain_pickle``: torch would read it with ``pickle.load`` (DCP's ``.metadata``), not its
+    weights-only unpickler.
+    """
     trust = spell("trust=True", "--trust")
     if not unsafe:
         return UnsafeCheckpointError(
             f"{source}: refused to load{where}: it needs globals outside torch's weights-only allowlist. "
             f"Unpickling them could run arbitrary code; if you trust this file, pass {trust}"
         )
-    shown = list(unsafe[:3])
-    more = ", ..." if len(unsafe) > 3 else ""
-    allow = spell(f"allow_globals=[{', '.join(shown)}{more}]", " ".join(f"--allow-global {g}" for g in shown) + more.replace(",", ""))
+    beyond = "DCP's own metadata classes (torch reads them with plain pickle)" if plain_pickle else "torch's weights-only allowlist"
     return UnsafeCheckpointError(
-        f"{source}: refused to load{where}: it needs {len(unsafe)} global(s) outside torch's weights-only "
-        f"allowlist: {summarize(list(unsafe))}. Unpickling them could run arbitrary code. If you trust this "
-        f"file, allow just these types with {allow}, or pass {trust}",
+        f"{source}: refused to load{where}: it needs {len(unsafe)} global(s) beyond {beyond}: "
+        f"{summarize(list(unsafe))}. Unpickling them could run arbitrary code. If you trust this file, "
+        f"allow just these types with {_options(unsafe, ', or pass ')}",
         unsafe,
     )

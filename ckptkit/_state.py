@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from ._unwrap import unwrap_model
 from .dist import collectives as _dist
 from .dist.rank0 import save_on_master
 from .errors import ArgumentError, ResumeError
+from .prefix import WRAPPER_PREFIXES
 
 FORMAT = 1
 
@@ -192,6 +193,7 @@ def load_training_state(
     map_location: MapLocation = None,
     trust: bool = False,
     allow_globals: AllowGlobals = (),
+    wrappers: Iterable[str] = WRAPPER_PREFIXES,
 ) -> TrainingState:
     """Restore what :func:`save_training_state` saved, in a fixed order.
 
@@ -203,6 +205,14 @@ def load_training_state(
     Note that ``iter(DataLoader)`` draws one number from torch's global RNG unless the
     DataLoader has its own ``generator=``; give it one, or pass ``restore_rng=False`` and call
     ``state.restore_rng()`` after creating the iterator.
+
+    Args:
+        path: a file written by :func:`save_training_state`.
+        model, optimizer, scheduler, scaler, sampler: the objects to restore, shaped as when
+            saved (one, a list or a dict of optimizers and schedulers).
+        strict: a model key that does not fit raises (all of them listed at once).
+        restore_rng: restore this rank's RNG state last (else call ``state.restore_rng()``).
+        map_location, trust, allow_globals, wrappers: as for :func:`load_for_rank`.
 
     Raises:
         ResumeError: the file is not a training state, or does not hold what was passed.
@@ -222,7 +232,7 @@ def load_training_state(
         if ckpt.get("sampler") is None:
             raise ResumeError(f"{source}: has no sampler state, but a sampler was passed to restore")
         sampler.load_state_dict(ckpt["sampler"])
-    load_into_model(model, ckpt["model"], strict=strict, source=source)
+    load_into_model(model, ckpt["model"], strict=strict, wrappers=wrappers, source=source)
     shapes = meta.get("shapes", {})
     _load_states("optimizer", optimizer, ckpt.get("optimizer"), shapes.get("optimizer", "one"), source)
     _load_states("scheduler", scheduler, ckpt.get("scheduler"), shapes.get("scheduler", "one"), source)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from .errors import ArgumentError, CheckpointFormatError, summarize
 from .formats.dtypes import BY_NAME
@@ -98,8 +99,6 @@ def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[
     Returns:
         ``(tensors, metadata)``.
     """
-    from safetensors import SafetensorError, safe_open
-
     source = os.fspath(path)
     with open(source, "rb") as f:
         header, _ = read_header(f, source=source)

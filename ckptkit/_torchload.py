@@ -1,8 +1,8 @@
 """``torch.load`` behind ckptkit's checks, with its failures told by what happened.
 
 Before torch reads a byte, the zip's structure and every declared storage size are checked
-against the file (a flipped size bit cannot make torch allocate terabytes). torch's warnings
-about how it is called are ckptkit's concern and never reach the caller. When torch fails, the
+against the file (a flipped size bit cannot make torch allocate terabytes), and archives torch
+would only warn about (TorchScript) are refused by name. When torch fails, the
 error says what happened: the pickle needs globals the caller did not allow, a class cannot be
 imported, it needs a process group, the device does not exist, or the file is damaged, which
 ckptkit says only after its own checks have found the damage.
@@ -13,10 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import warnings
 from typing import Any, BinaryIO
 
-from ._devices import MapLocation, check_device, device_for_rank, restore_to
+from ._devices import NO_CUDA_FIX, MapLocation, check_device, device_for_rank, restore_to
 from ._safety import AllowGlobals, filter_unsafe, resolve_globals, unsafe_error
 from .errors import (
     ArgumentError,
@@ -46,19 +45,17 @@ def torch_load(
     else:
         check_device(map_location, source)
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": not trust}
-    if fmt != LEGACY and mmap:
-        kwargs["mmap"] = True
     with open(source, "rb") as f:
         check_storage_bounds(source, fmt, file=f)
+        if fmt != LEGACY and mmap:
+            kwargs["mmap"] = not TorchZip(source, file=f).compressed_storages  # torch maps stored records only
         # torch opens the file again (it needs a path to memory-map). /proc/self/fd names the file
         # opened and checked above even if the path was replaced since (a trainer saving "latest").
         pinned = f"/proc/self/fd/{f.fileno()}"
         target = pinned if os.path.exists(pinned) else source
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with torch.serialization.safe_globals(allowed) if allowed else contextlib.nullcontext():
-                    return torch.load(target, **kwargs)
+            with torch.serialization.safe_globals(allowed) if allowed else contextlib.nullcontext():
+                return torch.load(target, **kwargs)
         except CkptkitError:
             raise
         except MemoryError:
@@ -98,7 +95,7 @@ def _explain(e: Exception, source: str, target: str, fmt: Format, f: BinaryIO, *
             "model.module.state_dict() instead, or load it inside a process group"
         )
     if "CUDA" in text and "is_available() is False" in text:
-        return ArgumentError(f"{source}: {_reason(e)}; pass map_location=\"cpu\", or leave it out to load onto this rank's device")
+        return ArgumentError(f"{source}: {_reason(e)}; {NO_CUDA_FIX}")
     if fmt == LEGACY:
         return CheckpointFormatError(
             f"{source}: torch cannot read this legacy-format checkpoint ({_reason(e)}); the legacy format "

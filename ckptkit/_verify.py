@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
-from .errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, spell, summarize
+from ._safety import AllowGlobals, filter_unsafe, global_name, needs_text, resolve_globals, unsafe_error
+from .errors import (
+    PARSE_ERRORS,
+    CheckpointFormatError,
+    CkptkitError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+    summarize,
+)
 from .formats.dcp import unsafe_metadata_globals
 from .formats.detect import DCP, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.integrity import Check, safetensors_checks, zip_checks
@@ -72,7 +79,8 @@ class VerifyReport:
             raise unsafe_error(self.path, list(dict.fromkeys(needs)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "ok": self.ok, "checks": [c.to_dict() for c in self.checks]}
+        checks = [c.to_dict() for c in self.checks]
+        return {"path": self.path, "format": self.format, "ok": self.ok, "intact": self.intact, "checks": checks}
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, full: bool = True) -> VerifyReport:
@@ -102,24 +110,28 @@ def verify_checkpoint(path: str | os.PathLike[str], *, full: bool = True) -> Ver
         report.checks += check(p, full)
     except CkptkitError as e:
         report.checks.append(Check("structure", "integrity", False, str(e)))
+        if isinstance(e, UnsupportedCheckpointError):
+            report.error = e  # intact, maybe: the gate raises this, not "failed verification"
     return report
 
 
 def _globals_safe(p: Path) -> Check:
     unsafe = filter_unsafe(checkpoint_globals(p))
-    options = f"{spell('allow_globals=[...]', '--allow-global NAME')} or {spell('trust=True', '--trust')}"
-    detail = f"pickle names {summarize(unsafe)}, outside torch's allowlist: needs {options}" if unsafe else "only weights-only globals"
+    detail = f"pickle {needs_text(unsafe)}" if unsafe else "only weights-only globals"
     return Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))
 
 
 def _torch_loads(p: Path, fmt: Any) -> Check:
     from ._torchload import torch_load  # deferred: verify runs without torch where the checks above suffice
 
+    name = "loads with torch (weights-only)"
     try:
         torch_load(str(p), fmt, map_location="cpu", trust=False, allow_globals=(), mmap=True)
-    except CkptkitError as e:
-        return Check("loads with torch (weights-only)", "integrity", False, str(e))
-    return Check("loads with torch (weights-only)", "integrity", True)
+    except UnsafeCheckpointError as e:
+        return Check(name, "safety", False, str(e), e.globals)
+    except CkptkitError as e:  # damage, or an intact file torch still refuses: either way not loadable
+        return Check(name, "integrity", False, str(e))
+    return Check(name, "integrity", True)
 
 
 def _zip(p: Path, full: bool) -> list[Check]:
@@ -148,7 +160,7 @@ def _legacy(p: Path, full: bool) -> list[Check]:
 
 def _dcp(p: Path, full: bool) -> list[Check]:
     unsafe = unsafe_metadata_globals(p)
-    detail = f"needs {spell('trust=True', '--trust')}: .metadata names {summarize(unsafe)}" if unsafe else "DCP metadata classes only"
+    detail = f".metadata {needs_text(unsafe, beyond='DCP')}" if unsafe else "DCP metadata classes only"
     checks = [Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))]
     if unsafe:
         return checks
@@ -158,8 +170,14 @@ def _dcp(p: Path, full: bool) -> list[Check]:
         meta = FileSystemReader(str(p)).read_metadata()
     except Exception as e:  # .metadata passed the allowlist; anything else is damage
         return [*checks, Check("metadata", "integrity", False, f"{type(e).__name__}: {e}")]
-    checks.append(Check("metadata", "integrity", True, f"{len(meta.state_dict_metadata)} entries"))
-    checks += _dcp_entries(p, meta)
+    try:
+        checks.append(Check("metadata", "integrity", True, f"{len(meta.state_dict_metadata)} entries"))
+        return checks + _dcp_entries(p, meta) + [_dcp_shards(p, meta)]
+    except PARSE_ERRORS as e:  # DCP's own classes holding the wrong things: a damaged .metadata
+        return [*checks, Check("metadata", "integrity", False, f".metadata is malformed ({type(e).__name__}: {e})")]
+
+
+def _dcp_shards(p: Path, meta: Any) -> Check:
     problems, sizes = [], {}
     for index, info in (meta.storage_data or {}).items():
         shard = p / info.relative_path
@@ -170,7 +188,7 @@ def _dcp(p: Path, full: bool) -> list[Check]:
         elif info.offset + info.length > sizes[shard]:
             problems.append(f"{index.fqn}: bytes {info.offset}+{info.length} past the end of {info.relative_path}")
     detail = summarize(sorted(set(problems)), 3) if problems else f"{len(sizes)} shard file(s)"
-    return [*checks, Check("shards present and long enough", "integrity", not problems, detail)]
+    return Check("shards present and long enough", "integrity", not problems, detail)
 
 
 def _dcp_entries(p: Path, meta: Any) -> list[Check]:
@@ -197,9 +215,8 @@ def _dcp_entries(p: Path, meta: Any) -> list[Check]:
         bad = filter_unsafe(names)
         if bad:
             unsafe[index.fqn] = bad
-    shown = [f"{fqn}: {', '.join(g)}" for fqn, g in unsafe.items()]
-    detail = f"needs {spell('trust=True', '--trust')}: {summarize(shown, 3)}" if unsafe else "weights-only globals"
     needs = tuple(dict.fromkeys(g for gs in unsafe.values() for g in gs))
+    detail = f"{summarize(list(unsafe), 3)}: {needs_text(needs)}" if unsafe else "weights-only globals"
     checks = [Check("non-tensor entries safe to load", "safety", not unsafe, detail, needs)]
     if unreadable:
         checks.append(Check("non-tensor entries readable", "integrity", False, f"damaged pickles: {summarize(unreadable)}"))

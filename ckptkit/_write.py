@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -80,9 +79,7 @@ def _torch_save(obj: Any, f: BinaryIO, dest: Path) -> None:
 
     writer = _RecordingWriter(f)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # how torch.save is called is ckptkit's concern, not the caller's
-            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like object
+        torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like object
     except CkptkitError:
         raise
     except Exception as e:

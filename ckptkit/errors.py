@@ -18,6 +18,7 @@ import contextvars
 import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "StateDictMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
+    "cli_spelling",
+    "spell",
 ]
 
 
@@ -125,7 +128,7 @@ class ResumeError(CkptkitError, ValueError):
 PARSE_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, EOFError, IndexError, KeyError, TypeError, AttributeError, OverflowError,
     NotImplementedError, RuntimeError, RecursionError, struct.error, zipfile.BadZipFile,
-    zipfile.LargeZipFile, OSError, AssertionError,  # torch's legacy loader asserts on file content
+    zipfile.LargeZipFile, zlib.error, OSError, AssertionError,  # torch's legacy loader asserts on file content
 )  # fmt: skip
 
 

@@ -243,9 +243,75 @@ def test_the_top_level_is_small_and_resolves() -> None:
         assert getattr(ckptkit, name) is not None
     for name in ckptkit.errors.__all__:
         cls = getattr(ckptkit.errors, name)
+        if not isinstance(cls, type):
+            continue  # spell, cli_spelling: how messages name options
         assert issubclass(cls, ckptkit.CkptkitError)
         assert cls is ckptkit.CkptkitError or any(b.__module__ == "builtins" and b is not Exception for b in cls.__mro__[1:-2])
     assert ckptkit.prefix.strip_prefix is ckptkit.strip_prefix
     # names of earlier releases still resolve, from their one home
     assert ckptkit.UnsafeCheckpointError is ckptkit.errors.UnsafeCheckpointError
     assert ckptkit.detect_prefixes is ckptkit.prefix.detect_prefixes
+
+
+def test_a_missing_key_gets_no_prefix_hint(tmp_path: Path) -> None:
+    state = TinyNet().state_dict()
+    del state["fc2.bias"]
+    ckptkit.save_on_master(state, tmp_path / "short.pt")
+    with pytest.raises(ckptkit.errors.StateDictMismatchError) as info:
+        ckptkit.load_for_rank(tmp_path / "short.pt", model=TinyNet())
+    assert "1 missing key(s) (fc2.bias)" in str(info.value)
+    assert "start with" not in str(info.value) and "strict=False" in str(info.value)
+
+
+def test_diff_names_its_own_key_options(fixtures_dir: Path, tmp_path: Path) -> None:
+    both = {"a": TinyNet().state_dict(), "b": TinyNet().state_dict()}
+    ckptkit.save_on_master(both, tmp_path / "two.pt")
+    with pytest.raises(ckptkit.errors.LayoutError, match="say which with key_a="):
+        ckptkit.diff_checkpoints(tmp_path / "two.pt", fixtures_dir / "plain.pt")
+    code, _, err = run("diff", tmp_path / "two.pt", fixtures_dir / "plain.pt")
+    assert code == 1 and "say which with --key-a" in err
+    assert ckptkit.diff_checkpoints(tmp_path / "two.pt", tmp_path / "two.pt", key_a="a", key_b="a").equal
+
+
+def test_a_zip_torch_cannot_read_is_unsupported_not_damaged(fixtures_dir: Path, tmp_path: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(fixtures_dir / "plain.pt") as zin, zipfile.ZipFile(tmp_path / "bz.pt", "w", zipfile.ZIP_BZIP2) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    with pytest.raises(ckptkit.errors.UnsupportedCheckpointError, match="compression method 12") as info:
+        ckptkit.read_checkpoint(tmp_path / "bz.pt")
+    assert "damaged" not in str(info.value)
+    with pytest.raises(ckptkit.errors.UnsupportedCheckpointError):
+        ckptkit.load_for_rank(tmp_path / "bz.pt", verify=True)
+
+
+def test_latest_full_skips_a_checkpoint_with_a_flipped_bit(tmp_path: Path) -> None:
+    folder = ckptkit.CheckpointFolder(tmp_path, keep=None)
+    for step in (1, 2):
+        ckptkit.save_on_master({"w": torch.full((64,), float(step))}, folder.path_for(step))
+        folder.commit(folder.path_for(step))
+    data = bytearray(folder.path_for(2).read_bytes())
+    from ckptkit.formats.torchzip import TorchZip
+
+    with TorchZip(folder.path_for(2)) as z:
+        data[z.storage("0").data_offset + 3] ^= 0x01
+    folder.path_for(2).write_bytes(bytes(data))
+    assert folder.latest() == folder.path_for(2)  # structure intact: the quick check picks it
+    assert folder.latest(full=True) == folder.path_for(1)  # every CRC checked: the one before
+    (tmp_path / "latest").write_bytes(b"\xff\xfe not text")  # a damaged pointer is not an error
+    assert folder.latest() == folder.path_for(2)
+
+
+def test_verify_of_a_dcp_folder_with_malformed_metadata_reports_it(tmp_path: Path) -> None:
+    import pickle
+
+    folder = _dcp_folder(tmp_path)
+    with open(folder / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own folder: DCP's metadata classes
+    meta.storage_data = {"not an index": "not storage info"}  # the right classes holding the wrong things
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    code, out, err = run("verify", folder)
+    assert code == 1 and "Traceback" not in out + err
+    assert "FAIL metadata: .metadata is malformed" in out

@@ -170,3 +170,45 @@ def test_a_big_endian_checkpoint_converts_to_safetensors_with_its_values(tmp_pat
         assert CliRunner().invoke(main, ["convert", str(big), str(out)]).exit_code == 0
         got = load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
         assert torch.equal(got["w"], values)
+
+
+def _deflated_copy(src: Path, dst: Path) -> None:
+    """The same checkpoint with every record deflate-compressed, as a generic zip tool repacks it."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+
+
+def test_a_deflated_checkpoint_loads_like_torch_and_its_crcs_are_checked(tmp_path: Path) -> None:
+    torch.save({"w": torch.arange(1000.0), "b": torch.ones(3)}, tmp_path / "stored.pt")
+    _deflated_copy(tmp_path / "stored.pt", tmp_path / "deflated.pt")
+    expected = torch.load(tmp_path / "deflated.pt", weights_only=True)  # torch reads it (not memory-mapped)
+    got = ckptkit.read_checkpoint(tmp_path / "deflated.pt")
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in got)
+    report = ckptkit.verify_checkpoint(tmp_path / "deflated.pt")
+    assert report.ok and "records match" in next(c.detail for c in report.checks if c.name == "CRC-32 of every record")
+    data = bytearray((tmp_path / "deflated.pt").read_bytes())
+    info = next(i for i in zipfile.ZipFile(tmp_path / "deflated.pt").infolist() if i.filename.endswith("data/0"))
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + 20] ^= 0x40  # inside the deflated stream
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+    bad = ckptkit.verify_checkpoint(tmp_path / "bad.pt")
+    assert not bad.ok and "data/0" in next(c.detail for c in bad.checks if c.name == "CRC-32 of every record")
+
+
+def test_verify_and_the_loader_agree_on_a_storage_larger_than_its_record(tmp_path: Path) -> None:
+    from ckptkit.formats import torchpickle
+
+    torch.save({"w": torch.ones(16)}, tmp_path / "ok.pt")
+    with zipfile.ZipFile(tmp_path / "ok.pt") as zin, zipfile.ZipFile(tmp_path / "big.pt", "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                obj = torchpickle.loads(data)
+                ref = obj["w"].storage
+                ref.pid = (*ref.pid[:4], 127)  # 127 floats declared, 16 stored: CRCs stay right
+                data = torchpickle.dumps(obj)[0]
+            zout.writestr(info, data)
+    with pytest.raises(ckptkit.CheckpointFormatError, match="declares 508 bytes but its record holds 64"):
+        ckptkit.read_checkpoint(tmp_path / "big.pt")
+    report = ckptkit.verify_checkpoint(tmp_path / "big.pt")
+    assert not report.ok and "declares 508 bytes" in " ".join(c.detail for c in report.checks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -40,8 +41,6 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
     ckptkit train --nproc 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --out /shared/run
     ckptkit train --nproc 4 --max-restarts 3 --model pkg.nets:make --data pkg.data:make --out runs/x
     """
-    import os
-
     launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts)]
     if node_rank is not None:
         launcher += ["--node-rank", str(node_rank)]

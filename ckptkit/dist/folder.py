@@ -7,9 +7,10 @@ import re
 from pathlib import Path
 
 from .._verify import verify_checkpoint
-from ..errors import ArgumentError, CheckpointNotFoundError
+from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, CkptkitError
 from ..formats.atomic import atomic_write
 from . import collectives as _dist
+from .rank0 import rebuild_error
 
 
 class CheckpointFolder:
@@ -18,8 +19,8 @@ class CheckpointFolder:
     Files are ``step_000000120.pt``. :meth:`commit` (after a save has returned, or from an
     :class:`AsyncSaver` ``on_done``) points ``latest`` at a complete file, atomically, and
     removes all but the newest ``keep``. :meth:`latest` finds the newest checkpoint that
-    opens, whatever a crash left behind: temp files are never candidates, and a damaged file
-    is skipped for the one before it.
+    is intact, whatever a crash left behind: temp files are never candidates, a torn file is
+    skipped for the one before it, and with ``latest(full=True)`` so is one with a flipped bit.
 
     Example:
         >>> ckpts = CheckpointFolder("runs/a/checkpoints", keep=3)  # doctest: +SKIP
@@ -73,23 +74,44 @@ class CheckpointFolder:
                 if old.name != name:
                     old.unlink(missing_ok=True)
 
-    def latest(self) -> Path | None:
-        """The newest checkpoint that opens, or None. Must be called on all ranks: rank 0
-        decides and every rank gets its answer, so no two ranks resume from different files."""
-        choice = self._find() if _dist.rank() == 0 else None
-        answer = _dist.broadcast_object(str(choice) if choice else None, what="CheckpointFolder.latest")
+    def latest(self, *, full: bool = False) -> Path | None:
+        """The newest checkpoint that is intact, or None. Must be called on all ranks: rank 0
+        decides and every rank gets its answer, so no two ranks resume from different files.
+
+        Args:
+            full: also read every payload byte of a candidate (its CRC-32s), so that a file
+                with a flipped bit is skipped for the one before it. By default a candidate
+                needs only readable headers, pickle and bounds (what a crash can tear), and the
+                newest one is chosen without reading its tensors.
+
+        Raises:
+            CheckpointFormatError: rank 0 could not read the folder (on every rank).
+        """
+        outcome: tuple[str | None, tuple[str, str] | None] = (None, None)
+        failure: Exception | None = None
+        if _dist.rank() == 0:
+            try:
+                choice = self._find(full)
+                outcome = (str(choice) if choice else None, None)
+            except (CkptkitError, OSError) as e:
+                failure = e if isinstance(e, CkptkitError) else CheckpointFormatError(f"{self.folder}: cannot read it to pick a checkpoint ({e})")
+                outcome = (None, (type(failure).__name__, str(failure)))
+        answer, error = _dist.broadcast_object(outcome, what="CheckpointFolder.latest")
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise rebuild_error(error[0], f"rank 0 could not pick a checkpoint: {error[1]}", default=CheckpointFormatError)
         return Path(answer) if answer else None
 
-    def _find(self) -> Path | None:
+    def _find(self, full: bool) -> Path | None:
         pointer = self.folder / self.POINTER
         candidates = list(reversed(self.checkpoints()))
         if pointer.is_file():
-            named = self.folder / pointer.read_text().strip()
+            named = self.folder / pointer.read_text(errors="replace").strip()
             if named in candidates:  # the pointer names the newest committed one; try it first
                 candidates.remove(named)
                 candidates.insert(0, named)
         for path in candidates:
-            # Headers, pickle and bounds readable (not torn): reading every byte is the load's job.
-            if verify_checkpoint(path, full=False).intact:
+            if verify_checkpoint(path, full=full).intact:
                 return path
         return None

@@ -12,10 +12,11 @@ from ..errors import CheckpointWriteError, CkptkitError
 from . import collectives as _dist
 
 
-def _rebuild_error(kind: str, message: str) -> CkptkitError:
+def rebuild_error(kind: str, message: str, *, default: type[CkptkitError] = CheckpointWriteError) -> CkptkitError:
+    """The error rank 0 reported (by class name), raised on another rank."""
     cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, CkptkitError)):
-        cls = CheckpointWriteError
+        cls = default
     return cls(message)
 
 
@@ -71,4 +72,4 @@ def write_and_agree(obj: Any, dest: Path, *, timeout: float, channel: str) -> No
         if isinstance(failure, CkptkitError):
             raise failure
         raise CheckpointWriteError(status[1]) from failure
-    raise _rebuild_error(status[0], f"rank 0 failed to save: {status[1]}")
+    raise rebuild_error(status[0], f"rank 0 failed to save: {status[1]}")

@@ -32,9 +32,9 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
         z = TorchZip(p, file=file)
 
         def check_zip(ref: lp.StorageRef) -> None:
-            need, have = lp.storage_nbytes(ref), z.storage(ref.key).size
-            if need > have:
-                raise CheckpointFormatError(f"{p}: storage {ref.key} declares {need} bytes but its record holds {have}")
+            why = storage_problem(ref, z)
+            if why is not None:
+                raise CheckpointFormatError(f"{p}: {why}")
 
         source: bytes | object = z.read(f"{z.prefix}data.pkl")
         _walk(source, check_zip)
@@ -52,6 +52,15 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
         for _ in range(3):  # magic number, protocol version, system info: plain values
             _walk(reader, None)
         _walk(reader, check_legacy)
+
+
+def storage_problem(ref: lp.StorageRef, z: TorchZip) -> str | None:
+    """Why a storage the pickle declares does not fit the zip (missing record, too few bytes), or None."""
+    rec = z.by_name.get(f"{z.prefix}data/{ref.key}")
+    if rec is None:
+        return f"the pickle refers to storage {ref.key}, which the zip lacks"
+    need = lp.storage_nbytes(ref)
+    return f"storage {ref.key} declares {need} bytes but its record holds {rec.size}" if need > rec.size else None
 
 
 def _walk(source: object, check: object) -> None:

@@ -43,6 +43,9 @@ TABLE: tuple[DType, ...] = (
     DType("float8_e5m2", 1, None, "F8_E5M2"),
     DType("float8_e4m3fnuz", 1, None, "F8_E4M3FNUZ"),
     DType("float8_e5m2fnuz", 1, None, "F8_E5M2FNUZ"),
+    DType("float8_e8m0fnu", 1, None, None),
+    DType("float4_e2m1fn_x2", 1, None, None),
+    DType("complex32", 4, None, None),
 )
 
 BY_NAME: dict[str, DType] = {d.name: d for d in TABLE}

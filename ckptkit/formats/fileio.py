@@ -5,6 +5,7 @@ The CRC-32 function lives here alone, so every reader and writer checks bytes th
 
 from __future__ import annotations
 
+import ctypes
 import os
 import zlib
 from collections.abc import Callable
@@ -62,8 +63,6 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
     goes on, so the fsync at the end (durability) waits for the tail only, not the whole file.
     """
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.sync_file_range
     except (OSError, AttributeError):

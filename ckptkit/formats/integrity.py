@@ -12,15 +12,16 @@ Example:
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO, Literal
 
-from ..errors import CheckpointFormatError, summarize
+from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from . import torchpickle as tp
-from .bounds import tensor_problems
-from .fileio import crc_of_range
+from .bounds import storage_problem, tensor_problems
+from .fileio import crc32, crc_of_range
 from .safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
-from .torchzip import TorchZip
+from .torchzip import Record, TorchZip
 
 Kind = Literal["integrity", "safety"]
 
@@ -53,23 +54,47 @@ class Check:
 def zip_checks(z: TorchZip, *, full: bool) -> tuple[list[Check], bool]:
     """Checks of an opened torch zip; also True when its pickle needs torch to be judged further.
 
-    The pickle is read through inert stand-ins. If it names a global they do not model
+    The pickle is read through inert stand-ins, every declared storage checked against its
+    record as it is read. If the pickle names a global the stand-ins do not model
     (``argparse.Namespace``, a numpy scalar), the caller decides safety with torch's allowlist.
     """
     checks = [Check("zip structure", "integrity", True, f"{len(z.records)} records")]
     if full:
-        bad = [r.name for r in z.records if r.method == 0 and crc_of_range(z.file, r.data_offset, r.compressed_size) != r.crc]
+        bad = [r.name for r in z.records if record_crc(z, r) != r.crc]
         detail = f"damaged: {summarize(bad)}" if bad else f"{len(z.records)} records match"
         checks.append(Check("CRC-32 of every record", "integrity", not bad, detail))
+    problems: list[str] = []
+
+    def fits(ref: tp.StorageRef) -> None:
+        why = storage_problem(ref, z)
+        if why is not None:
+            problems.append(why)
+
     try:
-        obj = tp.loads(z.read(f"{z.prefix}data.pkl"))
+        obj = tp.loads(z.read(f"{z.prefix}data.pkl"), on_storage=fits)
     except tp.UnsupportedGlobal:
+        if problems:  # what was read before the global already shows damage
+            checks.append(Check("storages fit their records", "integrity", False, summarize(problems, 3)))
         return checks, True
     checks.append(Check("safe to load", "safety", True, "only tensors, containers and plain values"))
-    problems = tensor_problems(obj, z)
+    problems += tensor_problems(obj, z)
     detail = summarize(problems, 3) if problems else "all in bounds"
     checks.append(Check("tensors fit their storages", "integrity", not problems, detail))
     return checks, False
+
+
+def record_crc(z: TorchZip, rec: Record) -> int:
+    """The CRC-32 of a record's bytes as stored, or as inflated for a compressed one."""
+    if rec.method == 0:
+        return crc_of_range(z.file, rec.data_offset, rec.compressed_size)
+    crc = 0
+    try:
+        with zipfile.ZipFile(z.file).open(rec.name) as f:
+            while chunk := f.read(8 << 20):
+                crc = crc32(chunk, crc)
+    except PARSE_ERRORS:  # zipfile's own CRC check failed, or the stream does not inflate
+        return (rec.crc + 1) & 0xFFFFFFFF
+    return crc
 
 
 def safetensors_checks(f: BinaryIO, source: str, *, full: bool) -> list[Check]:

@@ -10,6 +10,7 @@ falls back to torch.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from collections import OrderedDict
@@ -154,8 +155,6 @@ def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progre
     meta.pop(ALIASES_KEY, None)
     meta.pop(CRC_KEY, None)
     if aliases:
-        import json
-
         meta[ALIASES_KEY] = json.dumps(aliases)
     fs = src.file
 
@@ -182,8 +181,6 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
         header[name] = {"dtype": ref.dtype, "shape": list(ref.shape), "data_offsets": [begin, begin + ref.length]}
     meta = {k: v for k, v in (src.metadata or {}).items() if k not in (ALIASES_KEY, CRC_KEY)}
     if aliases:
-        import json
-
         meta[ALIASES_KEY] = json.dumps(aliases)
     kept = [state[name] for name in header]
     if kept and all(r.crc is not None for r in kept):  # the bytes do not change: their CRCs carry over

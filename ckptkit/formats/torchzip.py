@@ -50,16 +50,23 @@ class TorchZip:
 
     def __init__(self, path: str | os.PathLike[str], *, file: BinaryIO | None = None) -> None:
         self.path = Path(path)
+        self._owns_file = file is None
         self.file = file if file is not None else open(self.path, "rb")  # noqa: SIM115 - lives with self
         try:
             self._open()
         except BaseException:
-            if file is None:
-                self.file.close()
+            self.close()
             raise
 
     def close(self) -> None:
-        self.file.close()
+        """Close the file this object opened (a file passed in stays open: its owner closes it)."""
+        if self._owns_file:
+            self.file.close()
+
+    @property
+    def compressed_storages(self) -> bool:
+        """True when a storage record is compressed: torch can read it, but not memory-map it."""
+        return any(r.method != zipfile.ZIP_STORED for r in self.records if r.name.startswith(f"{self.prefix}data/"))
 
     def __enter__(self) -> TorchZip:
         return self

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 
 LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
@@ -28,11 +28,18 @@ def check_like_torch(path: Path, f: BinaryIO, size: int, infos: list[zipfile.Zip
     Without this, verify would pass and convert would copy records torch then cannot read.
     """
     for i in infos:
-        why = (
+        unreadable = (
             f"has flags 0x{i.flag_bits:04x} (encrypted or patch data)" if i.flag_bits & _UNSUPPORTED_FLAGS
             else f"uses compression method {i.compress_type} (torch reads 0, stored, and 8, deflate)"
-            if i.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
-            else f"is stored but its sizes differ ({i.compress_size} vs {i.file_size})"
+            if i.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) else None
+        )  # fmt: skip
+        if unreadable:  # a zip torch cannot read, not necessarily a damaged one
+            raise UnsupportedCheckpointError(
+                f"{path}: zip record {i.filename} {unreadable}; torch cannot read it. If another zip tool "
+                "repacked the file, save it again with torch.save"
+            )
+        why = (
+            f"is stored but its sizes differ ({i.compress_size} vs {i.file_size})"
             if i.compress_type == zipfile.ZIP_STORED and i.compress_size != i.file_size
             else f"claims to start on disk {i.volume} of a multi-disk archive" if i.volume not in (0, 1)
             else "is marked as a folder" if i.external_attr & _DOS_FOLDER or i.filename.endswith("/")

@@ -106,10 +106,10 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
 
-    # -- resume: rank 0 picks the newest complete checkpoint, every rank loads that one
+    # -- resume: rank 0 picks the newest intact checkpoint (every CRC checked), every rank loads that one
     ckpts = ckptkit.CheckpointFolder(out / "checkpoints", keep=cfg.keep)
     step, epoch = 0, 0
-    resume_path = None if cfg.resume == "none" else ckpts.latest() if cfg.resume == "auto" else Path(cfg.resume)
+    resume_path = None if cfg.resume == "none" else ckpts.latest(full=True) if cfg.resume == "auto" else Path(cfg.resume)
     if resume_path is not None:
         state = ckptkit.load_training_state(resume_path, model=net, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler)
         step, epoch = state.step, state.epoch
