@@ -73,7 +73,7 @@ def test_cli_allow_global(fixtures_dir: Path, tmp_path: Path, command: str) -> N
     src = fixtures_dir / "needs_trust.pt"
     args = {"convert": [src, tmp_path / "o.pt"], "inspect": [src], "diff": [src, fixtures_dir / "plain.pt"]}[command]
     code, out, err = run(command, *args)
-    assert code == 1 and "--allow-global argparse.Namespace" in " ".join((out + err).split())
+    assert code == (2 if command == "diff" else 1) and "--allow-global argparse.Namespace" in " ".join((out + err).split())
     code, out, err = run(command, *args, "--allow-global", "argparse.Namespace")
     assert code == 0, err
 
@@ -269,7 +269,7 @@ def test_diff_names_its_own_key_options(fixtures_dir: Path, tmp_path: Path) -> N
     with pytest.raises(ckptkit.errors.LayoutError, match="say which with key_a="):
         ckptkit.diff_checkpoints(tmp_path / "two.pt", fixtures_dir / "plain.pt")
     code, _, err = run("diff", tmp_path / "two.pt", fixtures_dir / "plain.pt")
-    assert code == 1 and "say which with --key-a" in err
+    assert code == 2 and "say which with --key-a" in err
     assert ckptkit.diff_checkpoints(tmp_path / "two.pt", tmp_path / "two.pt", key_a="a", key_b="a").equal
 
 

@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ._layout import find_model_state, replace_at
+from ._layout import find_model_state, is_state_dict, replace_at
 from ._safety import AllowGlobals
 from ._write import format_for, write_to
 from .errors import ArgumentError, spell, summarize
 from .formats import rewrite as fp
 from .formats.atomic import atomic_write
 from .formats.detect import SAFETENSORS, ZIP, Format, check_exists, detect_format
+from .formats.safetensors import parse_aliases, read_header
 from .formats.torchpickle import UnsupportedGlobal
 from .prefix import detect_prefixes, rewrite_prefixes
 
@@ -41,6 +42,10 @@ class ConvertReport:
             (``"module."`` and ``""`` for DDP -> single); both the leading wrappers when none
             was renamed.
         dropped: top-level entries not written (with ``model_only``).
+        left: other entries that also hold wrapped weights (an EMA copy), left as they were;
+            convert them with ``key=``.
+        tied: for a safetensors output, ``"alias is target"`` for each tensor stored once and
+            re-tied on load (``safetensors.torch.load_model`` or ckptkit's loaders do that).
         fast: True when torch was never imported (names rewritten, tensor bytes copied).
         fallback_reason: why the torch path was used, when it was.
         bytes: size of the written file.
@@ -56,6 +61,8 @@ class ConvertReport:
     prefix_before: str
     prefix_after: str
     dropped: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)
     fast: bool = True
     fallback_reason: str = ""
     bytes: int = 0
@@ -191,8 +198,32 @@ class _Job:
             prefix_before=before,
             prefix_after=after,
             dropped=others if self.model_only else [],
+            left=[] if self.model_only else _other_wrapped_weights(obj, path, is_tensor),
+            tied=_tied(self.dest) if self.out_fmt == SAFETENSORS else [],
             bytes=self.dest.stat().st_size,
         )
+
+
+def _other_wrapped_weights(obj: Any, path: tuple[str, ...], is_tensor: Any) -> list[str]:
+    """Where else ``obj`` holds a state dict with wrapper prefixes (an EMA copy, a teacher)."""
+    found: list[str] = []
+    todo: list[tuple[tuple[str, ...], Any]] = [((), obj)]
+    while todo:
+        where, node = todo.pop(0)
+        if not isinstance(node, Mapping) or len(where) > 3:
+            continue
+        if where and where != path and is_state_dict(node, is_tensor) and detect_prefixes(node).wrapped:
+            found.append("/".join(where))
+            continue
+        todo += [((*where, str(k)), v) for k, v in node.items() if (*where, str(k)) != path]
+    return found
+
+
+def _tied(dest: Path) -> list[str]:
+    with open(dest, "rb") as f:
+        header, _ = read_header(f, source=str(dest))
+    meta = header.pop("__metadata__", None) or {}
+    return [f"{alias} is {target}" for _, alias, target in parse_aliases(meta, header, str(dest))]
 
 
 def renamed_prefixes(before: Sequence[str], after: Sequence[str]) -> tuple[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,12 +87,14 @@ def diff_checkpoints(
     key_b: str | None = None,
     trust: bool = False,
     allow_globals: AllowGlobals = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> DiffReport:
     """Compare the model weights of two checkpoints across formats and wrapper prefixes.
 
     Keys are compared after removing wrapper prefixes on both sides, so a DDP ``.pt`` and
     its single-device ``.safetensors`` compare equal. A tensor differs when its shape or dtype
     differ, or some element exceeds ``atol + rtol * |b|`` (exact equality by default).
+    ``progress(bytes_compared_now, bytes_total)`` is called after each tensor pair.
 
     Example:
         >>> diff_checkpoints("ddp.pt", "single.safetensors").equal  # doctest: +SKIP
@@ -102,10 +105,17 @@ def diff_checkpoints(
     report = DiffReport(pa, pb, atol=atol, rtol=rtol)
     report.only_in_a = [k for k in wa if k not in wb]
     report.only_in_b = [k for k in wb if k not in wa]
-    for name, x in wa.items():
-        if name in wb:
-            report.compared += 1
-            d = _compare(name, x, wb[name], atol, rtol)
-            if d is not None:
-                report.differences.append(d)
+    pairs = [(name, x, wb[name]) for name, x in wa.items() if name in wb]
+    total = sum(_nbytes(x) + _nbytes(y) for _, x, y in pairs)
+    for name, x, y in pairs:  # memory-mapped: comparing is what reads the bytes
+        report.compared += 1
+        d = _compare(name, x, y, atol, rtol)
+        if d is not None:
+            report.differences.append(d)
+        if progress is not None:
+            progress(_nbytes(x) + _nbytes(y), total)
     return report
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())

@@ -109,16 +109,20 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def _describe(value: Any, is_tensor: Any) -> tuple[str, str]:
     if is_tensor(value):
         return "tensor", ""
     if isinstance(value, Mapping):
         tensors = sum(1 for v in value.values() if is_tensor(v))
         if tensors and tensors == len(value):
-            return "state dict", f"{tensors} tensors"
-        return "dict", f"{len(value)} entries" + (f", {tensors} tensors" if tensors else "")
+            return "state dict", _count(tensors, "tensor")
+        return "dict", _count(len(value), "entry", "entries") + (f", {_count(tensors, 'tensor')}" if tensors else "")
     if isinstance(value, (list, tuple)):
-        return type(value).__name__, f"{len(value)} items"
+        return type(value).__name__, _count(len(value), "item")
     if isinstance(value, (int, float, str, bool)) or value is None:
         text = repr(value)
         return type(value).__name__, text if len(text) <= 60 else text[:57] + "..."

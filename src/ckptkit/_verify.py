@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from .errors import (
 )
 from .formats.dcp import unsafe_metadata_globals
 from .formats.detect import DCP, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.fileio import Progress
 from .formats.integrity import Check, safetensors_checks, zip_checks
 from .formats.scan import checkpoint_globals, pickle_globals
 from .formats.torchzip import TorchZip
@@ -83,7 +85,9 @@ class VerifyReport:
         return {"path": self.path, "format": self.format, "ok": self.ok, "intact": self.intact, "checks": checks}
 
 
-def verify_checkpoint(path: str | os.PathLike[str], *, full: bool = True) -> VerifyReport:
+def verify_checkpoint(
+    path: str | os.PathLike[str], *, full: bool = True, progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
     """Check integrity (zip CRCs, header bounds, storage extents, DCP shards) and safety.
 
     Args:
@@ -91,6 +95,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, full: bool = True) -> Ver
         full: read every payload byte (CRC-32s) and try a weights-only load where the
             torch-free checks cannot judge the pickle. ``False`` checks structure only (headers,
             pickles, bounds, shard sizes): what picking a checkpoint to resume from needs.
+        progress: called as ``progress(bytes_read_now, bytes_total)`` while checksums are read.
 
     Example:
         >>> verify_checkpoint("fixtures/ddp.pt").ok  # doctest: +SKIP
@@ -106,8 +111,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *, full: bool = True) -> Ver
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
     check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp}[report.format]
+    total = p.stat().st_size if p.is_file() else 0
+    read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
     try:
-        report.checks += check(p, full)
+        report.checks += check(p, full, read)
     except CkptkitError as e:
         report.checks.append(Check("structure", "integrity", False, str(e)))
         if isinstance(e, UnsupportedCheckpointError):
@@ -134,9 +141,9 @@ def _torch_loads(p: Path, fmt: Any) -> Check:
     return Check(name, "integrity", True)
 
 
-def _zip(p: Path, full: bool) -> list[Check]:
+def _zip(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     with TorchZip(p) as z:  # every read through one open file: the version opened, even if replaced
-        checks, needs_torch = zip_checks(z, full=full)
+        checks, needs_torch = zip_checks(z, full=full, progress=progress)
     if needs_torch:
         checks.append(safe := _globals_safe(p))
         if safe.ok and full:
@@ -144,12 +151,12 @@ def _zip(p: Path, full: bool) -> list[Check]:
     return checks
 
 
-def _safetensors(p: Path, full: bool) -> list[Check]:
+def _safetensors(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     with open(p, "rb") as f:
-        return safetensors_checks(f, str(p), full=full)
+        return safetensors_checks(f, str(p), full=full, progress=progress)
 
 
-def _legacy(p: Path, full: bool) -> list[Check]:
+def _legacy(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     checks = [_globals_safe(p)]
     if checks[0].ok and full:
         checks.append(_torch_loads(p, LEGACY))
@@ -158,7 +165,7 @@ def _legacy(p: Path, full: bool) -> list[Check]:
     return checks
 
 
-def _dcp(p: Path, full: bool) -> list[Check]:
+def _dcp(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     unsafe = unsafe_metadata_globals(p)
     detail = f".metadata {needs_text(unsafe, beyond='DCP')}" if unsafe else "DCP metadata classes only"
     checks = [Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))]

@@ -1,7 +1,8 @@
 """Broken and hostile checkpoints, and what every reader must do with them.
 
 The contract: a reader returns (the bytes still make a valid checkpoint) or raises a
-CkptkitError; a CLI command exits 0, or 1 with one line on stderr and no traceback; a failed
+CkptkitError; a CLI command exits 0, or 1 (diff: 2, as GNU diff does) with one line on stderr
+and no traceback; a failed
 convert leaves no output and no temp file. Anything else is a finding.
 """
 
@@ -180,15 +181,15 @@ def check_cli(path: Path, out: Path) -> tuple[list[str], dict[str, int]]:
         if result.exception is not None and not isinstance(result.exception, SystemExit):
             findings.append(f"{cmd[0]}: uncaught {type(result.exception).__name__}: {str(result.exception)[:200]}")
             continue
-        if result.exit_code not in (0, 1):
+        error_code = 2 if cmd[0] == "diff" else 1  # diff keeps 1 for "different"
+        if result.exit_code not in (0, 1, error_code):
             findings.append(f"{cmd[0]}: exit {result.exit_code}")
         if "Traceback" in result.stderr or "Traceback" in result.stdout:
             findings.append(f"{cmd[0]}: printed a traceback")
-        if result.exit_code == 1 and cmd[0] != "verify" and not (
+        if result.exit_code == error_code and cmd[0] != "verify" and not (
             result.stderr.startswith("ckptkit: error: ") and result.stderr.count("\n") <= 2
-        ):  # verify reports its failed checks on stdout; diff may print differences before exit 1
-            if not (cmd[0] == "diff" and result.stdout):
-                findings.append(f"{cmd[0]}: error was not one line on stderr: {result.stderr[:200]!r}")
+        ):  # verify reports its failed checks on stdout
+            findings.append(f"{cmd[0]}: error was not one line on stderr: {result.stderr[:200]!r}")
         if cmd[0] == "convert" and result.exit_code != 0:
             if out.exists():
                 findings.append("convert: failed but left an output file")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -17,34 +19,71 @@ F = TypeVar("F", bound=Callable[..., Any])
 BIG = 64 << 20  # show a progress bar for files from this size, on a terminal
 
 
-def fail(message: str, code: int) -> None:
+class _Stopped(BaseException):
+    """A termination signal, raised where the command is so that its cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM (a scheduler, ``timeout``) and SIGHUP (a closed terminal) unwind like Ctrl-C:
+    a half-written output is removed on the way out instead of being left behind."""
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def fail(message: str, code: int, *, as_json: bool = False, kind: str = "error") -> None:
+    """One line on stderr; with ``--json`` also a JSON object on stdout, for scripts."""
+    if as_json:
+        emit_json({"ok": False, "error": {"type": kind, "message": message, "exit_code": code}})
     click.echo(f"ckptkit: error: {message}", err=True)
     sys.exit(code)
 
 
-def handle_errors(fn: F) -> F:
+def handle_errors(fn: F | None = None, *, trouble: int = 1, stopped: tuple[str, int] | None = None) -> Any:
     """Turn expected errors into one line on stderr and an exit code.
 
-    Messages name command-line flags (``--trust``), not keywords; torch's warnings are not for
-    the command line's user (``--debug`` shows them, with tracebacks).
+    Exit codes: 2 for usage errors (and for every error of a command whose 1 means "different",
+    ``trouble=2``, as GNU diff does), else 1; 128 + N for signal N, nothing left behind. Messages
+    name command-line flags (``--trust``), not keywords; torch's warnings are not for the command
+    line's user (``--debug`` shows them, with tracebacks). ``stopped``: what to say, and the exit
+    code, when a signal stops the command (default: nothing was written, 128 + N).
     """
+    if fn is None:
+        return functools.partial(handle_errors, trouble=trouble, stopped=stopped)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         debug = click.get_current_context().find_root().params.get("debug", False)
+        as_json = bool(kwargs.get("as_json"))
         try:
-            with cli_spelling(), warnings.catch_warnings():
+            with cli_spelling(), _stop_on_signals(), warnings.catch_warnings():
                 if not debug:
                     warnings.simplefilter("ignore")
                 return fn(*args, **kwargs)
         except (CkptkitError, OSError) as e:
             if debug:
                 raise
-            fail(str(e) if isinstance(e, CkptkitError) else f"{type(e).__name__}: {e}", 2 if isinstance(e, ArgumentError) else 1)
-        except KeyboardInterrupt:
-            fail("interrupted; nothing was written", 130)
+            code = 2 if isinstance(e, ArgumentError) else trouble
+            kind = type(e).__name__
+            fail(str(e) if isinstance(e, CkptkitError) else f"{kind}: {e}", code, as_json=as_json, kind=kind)
+        except (KeyboardInterrupt, _Stopped) as e:
+            name = signal.Signals(e.signum).name if isinstance(e, _Stopped) else "SIGINT"
+            what, code = stopped or ("nothing was written", 128 + (e.signum if isinstance(e, _Stopped) else signal.SIGINT))
+            fail(f"stopped by {name}; {what}", code, as_json=as_json, kind=name)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def emit_json(data: dict[str, Any]) -> None:

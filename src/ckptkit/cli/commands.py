@@ -19,8 +19,8 @@ ALLOW_GLOBAL = click.option(
 
 
 @main.command()
-@click.argument("src", type=click.Path(path_type=str))
-@click.argument("dst", type=click.Path(path_type=str))
+@click.argument("src", type=click.Path(path_type=str, readable=False))
+@click.argument("dst", type=click.Path(path_type=str, readable=False))
 @click.option("--to", "to", type=click.Choice(["single", "ddp", "keep"]), default="single", show_default=True,
               help="single: remove module./_orig_mod.; ddp: then add module.; keep: leave wrappers.")  # fmt: skip
 @click.option("--strip", multiple=True, metavar="PREFIX", help="Also remove PREFIX (repeatable), e.g. Lightning's model.")
@@ -51,16 +51,22 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
         click.echo(f"note: {report.fallback_reason}", err=True)
     if report.dropped:
         click.echo(f"note: not written (--model-only): {', '.join(report.dropped)}", err=True)
+    for where in report.left:
+        click.echo(f"note: '{where}' also holds wrapped weights, left as they were; convert them with --key {where}", err=True)
+    if report.tied:
+        click.echo(f"note: stored once and re-tied on load: {', '.join(report.tied)}. Load with ckptkit.load_for_rank "
+                   "or safetensors.torch.load_model; load_file + a strict load_state_dict would miss them", err=True)  # fmt: skip
     where = f" (weights at '{report.weights_at}')" if report.weights_at else ""
+    stored = f" ({report.tensors - len(report.tied)} stored)" if report.tied else ""
     click.echo(
-        f"{report.destination}: {report.tensors} tensors{where}, {report.renamed} renamed "
+        f"{report.destination}: {report.tensors} tensors{stored}{where}, {report.renamed} renamed "
         f"({report.prefix_before or 'no prefix'} -> {report.prefix_after or 'no prefix'}), "
         f"{human_bytes(report.bytes)}, {report.destination_format}"
     )
 
 
 @main.command()
-@click.argument("file", type=click.Path(path_type=str))
+@click.argument("file", type=click.Path(path_type=str, readable=False))
 @click.option("--key", metavar="PATH", help="Where the weights are, if not found automatically.")
 @click.option("--all", "show_all", is_flag=True, help="List every key group, not the first 40.")
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling. Only for files you trust.")
@@ -79,8 +85,8 @@ def inspect(file: str, key: str | None, show_all: bool, trust: bool, allow_globa
 
 
 @main.command()
-@click.argument("a", type=click.Path(path_type=str))
-@click.argument("b", type=click.Path(path_type=str))
+@click.argument("a", type=click.Path(path_type=str, readable=False))
+@click.argument("b", type=click.Path(path_type=str, readable=False))
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance.")
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance.")
 @click.option("--key-a", metavar="PATH", help="Where the weights are in A.")
@@ -88,11 +94,17 @@ def inspect(file: str, key: str | None, show_all: bool, trust: bool, allow_globa
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling. Only for files you trust.")
 @ALLOW_GLOBAL
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@handle_errors
+@handle_errors(trouble=2)
 def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str | None, trust: bool,
          allow_global: tuple[str, ...], as_json: bool) -> None:  # fmt: skip
-    """Compare the model weights of A and B across formats and prefixes. Exit 1 if they differ."""
-    report = diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust, allow_globals=allow_global)
+    """Compare the model weights of A and B across formats and prefixes.
+
+    Exit 0 when they are the same, 1 when they differ, 2 on trouble (a missing or unreadable
+    file), as GNU diff does.
+    """
+    with progress_bar(a, b, threshold=BIG, enabled=not as_json) as progress:
+        report = diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust,
+                                  allow_globals=allow_global, progress=progress)  # fmt: skip
     if as_json:
         emit_json(report.to_dict())
     else:
@@ -101,12 +113,13 @@ def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str
 
 
 @main.command()
-@click.argument("file", type=click.Path(path_type=str))
+@click.argument("file", type=click.Path(path_type=str, readable=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 @handle_errors
 def verify(file: str, as_json: bool) -> None:
     """Check FILE's integrity (CRCs, bounds, shards) and that it loads without --trust. Exit 1 if not."""
-    report = verify_checkpoint(file)
+    with progress_bar(file, threshold=BIG, enabled=not as_json) as progress:
+        report = verify_checkpoint(file, progress=progress)
     if as_json:
         emit_json(report.to_dict())
     else:

@@ -30,13 +30,19 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-@contextlib.contextmanager
-def progress_bar(path: str, *, threshold: int, enabled: bool = True) -> Iterator[Callable[[int, int], None] | None]:
-    """A progress callback drawing on stderr, or None when stderr is not a terminal or the file is small."""
+def _size(path: str) -> int:
     try:
-        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        if os.path.isdir(path):
+            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+        return os.path.getsize(path)
     except OSError:
-        size = 0
+        return 0
+
+
+@contextlib.contextmanager
+def progress_bar(*paths: str, threshold: int, enabled: bool = True) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress callback drawing on stderr, or None when stderr is not a terminal or the files are small."""
+    size = sum(_size(p) for p in paths)
     if not (enabled and sys.stderr.isatty() and size >= threshold):
         yield None
         return
@@ -47,7 +53,7 @@ def progress_bar(path: str, *, threshold: int, enabled: bool = True) -> Iterator
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=Console(stderr=True), transient=True,
     ) as bar:  # fmt: skip
-        task = bar.add_task(os.path.basename(path), total=size)
+        task = bar.add_task(" + ".join(os.path.basename(p.rstrip("/")) for p in paths), total=size)
 
         def advance(done_now: int, total: int) -> None:
             bar.update(task, advance=done_now, total=max(total, 1))

@@ -103,8 +103,8 @@ def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, length: int, progress:
             progress(n)
 
 
-def crc_of_range(src: BinaryIO, offset: int, length: int) -> int:
-    """CRC-32 of a byte range, read in bounded chunks."""
+def crc_of_range(src: BinaryIO, offset: int, length: int, progress: Progress | None = None) -> int:
+    """CRC-32 of a byte range, read in bounded chunks (``progress(n)`` after each)."""
     crc = 0
     src.seek(offset)
     left = length
@@ -114,4 +114,6 @@ def crc_of_range(src: BinaryIO, offset: int, length: int) -> int:
             raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + length - left}")
         crc = crc32(chunk, crc)
         left -= len(chunk)
+        if progress is not None:
+            progress(len(chunk))
     return crc

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Literal
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from . import torchpickle as tp
 from .bounds import storage_problem, tensor_problems
-from .fileio import crc32, crc_of_range
+from .fileio import Progress, crc32, crc_of_range
 from .safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
 from .torchzip import Record, TorchZip
 
@@ -51,7 +51,7 @@ class Check:
         return d
 
 
-def zip_checks(z: TorchZip, *, full: bool) -> tuple[list[Check], bool]:
+def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> tuple[list[Check], bool]:
     """Checks of an opened torch zip; also True when its pickle needs torch to be judged further.
 
     The pickle is read through inert stand-ins, every declared storage checked against its
@@ -60,7 +60,7 @@ def zip_checks(z: TorchZip, *, full: bool) -> tuple[list[Check], bool]:
     """
     checks = [Check("zip structure", "integrity", True, f"{len(z.records)} records")]
     if full:
-        bad = [r.name for r in z.records if record_crc(z, r) != r.crc]
+        bad = [r.name for r in z.records if record_crc(z, r, progress) != r.crc]
         detail = f"damaged: {summarize(bad)}" if bad else f"{len(z.records)} records match"
         checks.append(Check("CRC-32 of every record", "integrity", not bad, detail))
     problems: list[str] = []
@@ -83,10 +83,10 @@ def zip_checks(z: TorchZip, *, full: bool) -> tuple[list[Check], bool]:
     return checks, False
 
 
-def record_crc(z: TorchZip, rec: Record) -> int:
+def record_crc(z: TorchZip, rec: Record, progress: Progress | None = None) -> int:
     """The CRC-32 of a record's bytes as stored, or as inflated for a compressed one."""
     if rec.method == 0:
-        return crc_of_range(z.file, rec.data_offset, rec.compressed_size)
+        return crc_of_range(z.file, rec.data_offset, rec.compressed_size, progress)
     crc = 0
     try:
         with zipfile.ZipFile(z.file).open(rec.name) as f:
@@ -97,7 +97,7 @@ def record_crc(z: TorchZip, rec: Record) -> int:
     return crc
 
 
-def safetensors_checks(f: BinaryIO, source: str, *, full: bool) -> list[Check]:
+def safetensors_checks(f: BinaryIO, source: str, *, full: bool, progress: Progress | None = None) -> list[Check]:
     """Checks of a safetensors file: header, offsets, aliases and (``full``) recorded CRC-32s."""
     header, start = read_header(f, source=source)
     meta = header.pop("__metadata__", None) or {}
@@ -118,7 +118,7 @@ def safetensors_checks(f: BinaryIO, source: str, *, full: bool) -> list[Check]:
     except CheckpointFormatError as e:
         return [*checks, Check("CRC-32 of every tensor", "integrity", False, str(e))]
     bad = [n for n, e in header.items() if n in recorded and crc_of_range(f, start + e["data_offsets"][0],
-           e["data_offsets"][1] - e["data_offsets"][0]) != recorded[n]]  # fmt: skip
+           e["data_offsets"][1] - e["data_offsets"][0], progress) != recorded[n]]  # fmt: skip
     unchecked = [n for n in header if n not in recorded]
     detail = f"damaged: {summarize(bad)}" if bad else f"{len(header) - len(unchecked)} tensors match"
     detail += f"; no CRC for {summarize(unchecked)}" if unchecked else ""
