@@ -68,7 +68,7 @@ class UnsupportedCheckpointError(CheckpointFormatError):
 
 
 class ClassNotFoundError(CkptkitError, ImportError):
-    """A trusted pickle names a class whose module cannot be imported in this environment."""
+    """A class or factory cannot be imported here: one a trusted pickle names, or a ``--model``."""
 
 
 class UnsafeCheckpointError(CkptkitError, ValueError):

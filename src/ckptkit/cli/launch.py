@@ -1,15 +1,28 @@
-"""``ckptkit train``: the reference trainer, started through torch's own launcher (torchrun)."""
+"""``ckptkit train``: check the options, then run the reference trainer under torchrun's agent.
+
+torchrun's agent runs in this process, so this command sees what torchrun would otherwise
+print as a traceback: a signal (Ctrl-C, a scheduler's SIGTERM, a closed terminal) reaches the
+agent, which passes it to the workers (each in its own session, so they get it once); they
+stop together at the next step and save. The command then says, in one line, where the run
+stopped and exits 0, or 130 when nothing could be saved. Options are checked before a worker
+starts: a typo costs one line and creates nothing.
+"""
 
 from __future__ import annotations
 
-import os
+import json
+import logging
+import signal
 import sys
+import time
+from pathlib import Path
 
 import click
 
-from ckptkit.train import build_parser
+from ckptkit.errors import CkptkitError
+from ckptkit.train import build_parser, check_environment, parse_args
 
-from .base import main
+from .base import fail, handle_errors, main
 
 
 class _TrainCommand(click.Command):
@@ -23,7 +36,7 @@ class _TrainCommand(click.Command):
 
 
 @main.command(cls=_TrainCommand, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node (GPUs, or CPU workers).")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node (GPUs, or CPU workers).")
 @click.option("--nnodes", default="1", show_default=True, help="Nodes, or MIN:MAX for elastic runs.")
 @click.option("--node-rank", type=int, default=None, help="This node's rank (static multi-node rendezvous).")
 @click.option("--master-addr", default=None, help="Rank 0 node's address (static rendezvous).")
@@ -31,17 +44,27 @@ class _TrainCommand(click.Command):
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT for c10d rendezvous (elastic multi-node).")
 @click.option("--rdzv-id", default=None, help="Job id shared by the nodes of one run.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the group this often after a failure.")
+@click.option("--shutdown-timeout", type=click.IntRange(min=1), default=300, show_default=True,
+              help="Seconds the workers get to save after Ctrl-C or SIGTERM, before SIGKILL.")  # fmt: skip
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
+@handle_errors(stopped=("nothing was saved", 130))
 def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | None, master_port: int | None,
-          rdzv_endpoint: str | None, rdzv_id: str | None, max_restarts: int, trainer_args: tuple[str, ...]) -> None:  # fmt: skip
+          rdzv_endpoint: str | None, rdzv_id: str | None, max_restarts: int, shutdown_timeout: int,
+          trainer_args: tuple[str, ...]) -> None:  # fmt: skip
     """Run the reference DDP trainer through torch's own launcher (torchrun).
 
     \b
     ckptkit train --nproc 2 --out runs/demo            # built-in task, resumes automatically
     ckptkit train --nproc 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --out /shared/run
     ckptkit train --nproc 4 --max-restarts 3 --model pkg.nets:make --data pkg.data:make --out runs/x
+
+    Ctrl-C or SIGTERM: every rank stops at the next step and saves; exit 0 (130 if nothing
+    could be saved yet). Running the same command again resumes.
     """
-    launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts)]
+    cfg = parse_args(list(trainer_args))  # usage errors: one line, exit 2
+    check_environment(cfg)  # a missing --resume file, an --model that does not import: exit 1
+    launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts),
+                "--shutdown-timeout", str(shutdown_timeout)]  # fmt: skip
     if node_rank is not None:
         launcher += ["--node-rank", str(node_rank)]
     if master_addr:
@@ -52,7 +75,60 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint] + (["--rdzv-id", rdzv_id] if rdzv_id else [])
     if nnodes == "1" and not (master_addr or rdzv_endpoint):
         launcher.append("--standalone")  # one node: a free port, no address to configure
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "ckptkit.train", *trainer_args]
+    _run_torchrun([*launcher, "--module", "ckptkit.train", *trainer_args], Path(cfg.out))
+
+
+def _run_torchrun(argv: list[str], out: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # The trainer logs what matters; the agent's warnings ("Received SIGINT death signal...",
+    # the OMP_NUM_THREADS banner) would only repeat it. torch sets each logger's level itself.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    started = time.time()
     sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, cmd)  # torchrun takes over this process: signals reach it directly
+    try:
+        run(get_args_parser().parse_args(argv))
+    except SignalException as e:
+        _stopped(signal.Signals(e.sigval).name, out, started)
+    except ChildFailedError as e:
+        _failed(e)
+
+
+def _stopped(name: str, out: Path, started: float) -> None:
+    end = _last_end(out, started)
+    if end is not None and end.get("status") == "preempted":
+        checkpoint = out / "checkpoints" / f"step_{end['step']:09d}.pt"
+        click.echo(f"ckptkit: stopped by {name} at step {end['step']}; saved {checkpoint}; run the same command to resume", err=True)
+        sys.exit(0)
+    fail(f"stopped by {name}; nothing was saved (the run had not reached its first save)", 130)
+
+
+def _failed(e: CkptkitError | Exception) -> None:
+    failures = getattr(e, "failures", {}) or {}
+    # 1 and 2: the trainer said why in one line (or Python printed the traceback of a bug).
+    died = {rank: f.exitcode for rank, f in failures.items() if f.exitcode not in (1, 2)}
+    if not died:
+        sys.exit(1)
+    rank, code = min(died.items())
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+    fail(f"training failed: rank {rank} {how}", 1)
+
+
+def _last_end(out: Path, since: float) -> dict | None:
+    """The trainer's last ``end`` record written after ``since``, if any."""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == "end" and record.get("time", 0) >= since:
+            return record
+    return None

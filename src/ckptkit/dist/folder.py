@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from .._verify import verify_checkpoint
-from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, CkptkitError
+from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, CheckpointWriteError, CkptkitError
 from ..formats.atomic import atomic_write
 from . import collectives as _dist
 from .rank0 import rebuild_error
@@ -16,7 +16,7 @@ from .rank0 import rebuild_error
 class CheckpointFolder:
     """Step-numbered checkpoints in one folder, with a ``latest`` pointer and pruning.
 
-    Files are ``step_000000120.pt``. :meth:`commit` (after a save has returned, or from an
+    The folder is created if missing. Files are ``step_000000120.pt``. :meth:`commit` (after a save has returned, or from an
     :class:`AsyncSaver` ``on_done``) points ``latest`` at a complete file, atomically, and
     removes all but the newest ``keep``. :meth:`latest` finds the newest checkpoint that
     is intact, whatever a crash left behind: temp files are never candidates, a torn file is
@@ -34,6 +34,10 @@ class CheckpointFolder:
         if keep is not None and keep < 1:
             raise ArgumentError(f"keep must be at least 1 (or None for all), got {keep}")
         self.folder = Path(folder)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)  # the first save needs it; every rank may do this
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot create checkpoint folder {self.folder}: {e.strerror or e}") from e
         self.keep = keep
         self.suffix = suffix
         self._pattern = re.compile(rf"^step_(\d+){re.escape(suffix)}$")

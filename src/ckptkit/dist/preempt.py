@@ -11,7 +11,8 @@ from . import collectives as _dist
 
 
 class StopSignal:
-    """Catch SIGTERM/SIGINT and let all ranks stop together at a step boundary.
+    """Catch SIGTERM, SIGINT and SIGHUP (a closed terminal) and let all ranks stop together at a
+    step boundary.
 
     A scheduler's SIGTERM (or Ctrl-C) may reach one rank only. :meth:`should_stop`, called by
     every rank at the same step, returns True on all of them if any rank got a signal, so all
@@ -26,7 +27,7 @@ class StopSignal:
         ...         save_training_state(...); break
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():

@@ -19,14 +19,31 @@ complete file. Everything about checkpoints goes through ckptkit's public API.
 
 from __future__ import annotations
 
-from .config import TrainConfig, build_parser, parse_args
+import os
+import sys
+
+from ckptkit.errors import ArgumentError, CkptkitError
+
+from .config import TrainConfig, build_parser, check, check_environment, parse_args
 from .loop import train
 from .task import default_data, default_model
 
-__all__ = ["TrainConfig", "build_parser", "default_data", "default_model", "main", "parse_args", "train"]
+__all__ = [
+    "TrainConfig", "build_parser", "check", "check_environment", "default_data", "default_model", "main", "parse_args",
+    "train",
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the trainer on command-line arguments; 0 when it finished or saved and stopped."""
-    result = train(parse_args(argv))
+    """Run the trainer on command-line arguments (``python -m ckptkit.train``).
+
+    Returns 0 when it finished, or saved and stopped on a signal; 2 for a usage error and 1
+    for any other ckptkit error, each told in one line by rank 0 (the others fail the same way).
+    """
+    try:
+        result = train(parse_args(argv))
+    except CkptkitError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ckptkit.train: error: {e}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, ArgumentError) else 1
     return 0 if result["status"] in ("done", "preempted") else 1

@@ -1,75 +1,142 @@
-"""The trainer's options: one dataclass, each field also a command-line flag."""
+"""The trainer's options: one dataclass whose fields carry their own help, each also a flag.
+
+``check`` refuses values no run can use (a usage error, exit 2); ``check_environment`` refuses
+what this machine or folder cannot provide (exit 1). ``ckptkit train`` runs both before it
+starts a single worker, so a typo costs one line and creates nothing.
+
+Example:
+    >>> parse_args(["--epochs", "5", "--amp", "bf16"]).epochs
+    5
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import importlib
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, NoReturn
+
+from ckptkit.errors import ArgumentError, CheckpointNotFoundError, ClassNotFoundError
+
+
+def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, shown: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "shown": shown})
 
 
 @dataclass
 class TrainConfig:
     """Options of the reference trainer; each is also a flag (``max_steps`` is ``--max-steps``)."""
 
-    out: str = "runs/ckptkit-demo"
-    epochs: int = 3
-    max_steps: int = 0
-    batch_size: int = 64
-    accum: int = 1
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 20
-    seed: int = 0
-    save_every: int = 50
-    keep: int = 3
-    resume: str = "auto"
-    async_save: bool = False
-    device: str = "auto"
-    backend: str = "auto"
-    amp: str = "none"
-    sync_bn: bool = False
-    num_workers: int = 0
-    log_every: int = 10
-    model: str = ""
-    data: str = ""
+    out: str = _option("runs/ckptkit-demo", "folder for checkpoints/, metrics.jsonl and the final model.safetensors")
+    epochs: int = _option(3, "passes over the training set (a finished run trains on when given more)")
+    max_steps: int = _option(0, "stop after this many optimizer steps (0: run all epochs)")
+    batch_size: int = _option(64, "samples per process per micro-batch")
+    accum: int = _option(1, "micro-batches per optimizer step (DDP no_sync on all but the last)")
+    lr: float = _option(3e-3, "peak learning rate (linear warmup, cosine decay to 10%%)")
+    weight_decay: float = _option(0.01, "AdamW weight decay")
+    warmup_steps: int = _option(20, "learning-rate warmup steps")
+    seed: int = _option(0, "same seed and options give the same run")
+    save_every: int = _option(50, "optimizer steps between checkpoints (one is also saved at each epoch end; 0: only those)")
+    keep: int = _option(3, "checkpoints kept in OUT/checkpoints")
+    resume: str = _option("auto", "auto (newest intact checkpoint in OUT), none, or a checkpoint path")
+    async_save: bool = _option(False, "write checkpoints in the background; training waits only for the host copy")
+    device: str = _option("auto", "auto: cuda:LOCAL_RANK with CUDA, else cpu", choices=("auto", "cuda", "cpu"))
+    backend: str = _option("auto", "auto: nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
+    amp: str = _option("none", "bf16: autocast; fp16: autocast + GradScaler", choices=("none", "bf16", "fp16"))
+    sync_bn: bool = _option(False, "convert BatchNorm to SyncBatchNorm (CUDA only)")
+    num_workers: int = _option(0, "DataLoader worker processes")
+    log_every: int = _option(10, "optimizer steps between log lines")
+    model: str = _option("", "pkg.module:factory returning your nn.Module", shown="the built-in MLP")
+    data: str = _option("", "pkg.module:factory returning (train_dataset, val_dataset)", shown="the built-in task")
 
 
-_HELP = {
-    "out": "folder for checkpoints/, metrics.jsonl and the final model.safetensors",
-    "epochs": "passes over the training set",
-    "max_steps": "stop after this many optimizer steps (0: run all epochs)",
-    "batch_size": "samples per process per micro-batch",
-    "accum": "micro-batches per optimizer step (DDP no_sync on all but the last)",
-    "lr": "peak learning rate (linear warmup, cosine decay to 10%%)",
-    "weight_decay": "AdamW weight decay",
-    "warmup_steps": "learning-rate warmup steps",
-    "seed": "same seed and options give the same run",
-    "save_every": "optimizer steps between checkpoints (one is also saved at each epoch end)",
-    "keep": "checkpoints kept in OUT/checkpoints",
-    "resume": "auto (newest complete checkpoint in OUT), none, or a checkpoint path",
-    "async_save": "write checkpoints in the background; training waits only for the host copy",
-    "device": "auto (cuda:LOCAL_RANK with CUDA, else cpu), cuda or cpu",
-    "backend": "auto (nccl on CUDA, gloo on CPU), nccl or gloo",
-    "amp": "none, bf16 (autocast) or fp16 (autocast + GradScaler)",
-    "sync_bn": "convert BatchNorm to SyncBatchNorm",
-    "num_workers": "DataLoader worker processes",
-    "log_every": "optimizer steps between log lines",
-    "model": "pkg.module:factory returning your nn.Module (default: the built-in MLP)",
-    "data": "pkg.module:factory returning (train_dataset, val_dataset) (default: the built-in task)",
-}
+# (field, smallest allowed value)
+_AT_LEAST = {"epochs": 0, "max_steps": 0, "batch_size": 1, "accum": 1, "warmup_steps": 0, "save_every": 0, "keep": 1,
+             "num_workers": 0, "log_every": 1}  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, raised, instead of usage text and SystemExit(2)
+        raise ArgumentError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptkit.train", description="ckptkit's reference DDP trainer.")
+    """The trainer's argument parser; its errors raise :class:`ckptkit.errors.ArgumentError`."""
+    parser = _Parser(prog="ckptkit.train", description="ckptkit's reference DDP trainer.")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        default = f.default if f.default is not MISSING else None
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=_HELP[f.name])
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper(),
-                                help=f"{_HELP[f.name]} (default: {f.default!r})")  # fmt: skip
+            parser.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        shown = meta["shown"] or repr(default)
+        among = f"{', '.join(meta['choices'])}; " if meta["choices"] else ""
+        parser.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), choices=meta["choices"],
+                            help=f"{among}{meta['help']} (default: {shown})")  # fmt: skip
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    return TrainConfig(**vars(build_parser().parse_args(argv)))
+    """Parse and check the trainer's flags.
+
+    Raises:
+        ArgumentError: a malformed flag or a value no run can use.
+    """
+    args = build_parser().parse_args(argv)
+    cfg = TrainConfig(**vars(args))
+    check(cfg)
+    return cfg
+
+
+def check(cfg: TrainConfig) -> None:
+    """Refuse values no run can use.
+
+    Raises:
+        ArgumentError: naming the flag, what it got and what it takes.
+    """
+    for name, least in _AT_LEAST.items():
+        value = getattr(cfg, name)
+        if value < least:
+            raise ArgumentError(f"argument --{name.replace('_', '-')}: must be at least {least}, got {value}")
+    if cfg.lr <= 0:
+        raise ArgumentError(f"argument --lr: must be positive, got {cfg.lr}")
+
+
+def check_environment(cfg: TrainConfig) -> None:
+    """Refuse what this machine or folder cannot provide, before anything starts.
+
+    Raises:
+        CheckpointNotFoundError: ``--resume PATH`` does not exist.
+        ClassNotFoundError: ``--model``/``--data`` cannot be imported.
+        ArgumentError: ``--sync-bn`` or ``--backend nccl`` without CUDA.
+    """
+    if cfg.resume not in ("auto", "none") and not os.path.exists(cfg.resume):
+        raise CheckpointNotFoundError(f"--resume {cfg.resume}: no such checkpoint (auto picks the newest in --out)", filename=cfg.resume)
+    for flag, spec in (("--model", cfg.model), ("--data", cfg.data)):
+        if spec:
+            resolve(spec, flag)
+    if cfg.sync_bn or cfg.backend == "nccl" or cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            what = "--sync-bn" if cfg.sync_bn else "--backend nccl" if cfg.backend == "nccl" else "--device cuda"
+            raise ArgumentError(f"{what} needs CUDA, and this machine has none (torch's SyncBatchNorm and nccl run on GPUs only)")
+
+
+def resolve(spec: str, flag: str) -> Any:
+    """The callable ``pkg.module:factory`` names (not called).
+
+    Raises:
+        ArgumentError: ``spec`` is not ``pkg.module:factory``.
+        ClassNotFoundError: the module or the name cannot be imported.
+    """
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ArgumentError(f"{flag} {spec}: expected pkg.module:factory")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ClassNotFoundError(f"{flag} {spec}: cannot import it ({type(e).__name__}: {e}); is the package on PYTHONPATH?") from e

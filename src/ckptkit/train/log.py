@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 
+def _number(v: Any) -> str:
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"  # 18,240 samples/s, not 1.824e+04
+
+
 class Logger:
     """Rank 0 only: JSON lines to metrics.jsonl, readable lines on stdout, and a rich
     progress bar when stdout is a terminal."""
@@ -36,16 +42,21 @@ class Logger:
     def start_bar(self, total: int, done: int) -> None:
         if self.bar is not None:
             self.bar.start()
-            self.task = self.bar.add_task("training", total=total, completed=done)
+            self.task = self.bar.add_task("steps", total=total, completed=done)
 
     def advance(self, epoch: int) -> None:
-        if self.task is not None:
-            self.bar.update(self.task, advance=1, description=f"epoch {epoch}")
+        if self.task is not None:  # counts optimizer steps over the whole run; the epoch is where it is
+            self.bar.update(self.task, advance=1, description=f"steps (epoch {epoch})")
 
     def metric(self, **values: Any) -> None:
         if self.enabled:
             self._write(values)
-            self._print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()))
+            self._print(" | ".join(f"{k} {_number(v)}" for k, v in values.items()))
+
+    def note(self, text: str) -> None:
+        """A line for the reader (not a record): a hint about what to do next."""
+        if self.enabled:
+            self._print(f"note: {text}")
 
     def event(self, name: str, **values: Any) -> None:
         if self.enabled:

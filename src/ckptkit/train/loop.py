@@ -14,7 +14,7 @@ from typing import Any
 
 import ckptkit
 
-from .config import TrainConfig
+from .config import TrainConfig, check, check_environment
 from .log import Logger
 from .task import default_data, default_model, factory
 
@@ -53,6 +53,9 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
+    check(cfg)
+    check_environment(cfg)
+
     # -- processes and devices
     distributed = "WORLD_SIZE" in os.environ
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -79,8 +82,8 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
 
     # -- seeds: one model initialisation everywhere, one RNG stream per rank (dropout)
     torch.manual_seed(cfg.seed)
-    model = model if model is not None else (factory(cfg.model) if cfg.model else default_model())
-    train_set, val_set = data if data is not None else (factory(cfg.data) if cfg.data else default_data(cfg.seed))
+    model = model if model is not None else (factory(cfg.model, "--model") if cfg.model else default_model())
+    train_set, val_set = data if data is not None else (factory(cfg.data, "--data") if cfg.data else default_data(cfg.seed))
     torch.manual_seed(cfg.seed + 1000 * rank)
 
     # -- data: every rank a disjoint shard; the sampler knows its position within the epoch
@@ -95,8 +98,6 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
 
     # -- model, optimizer, schedule, mixed precision
     model.to(device)
-    if cfg.sync_bn and device.type != "cuda":
-        raise SystemExit("ckptkit.train: --sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs only)")
     if cfg.sync_bn and distributed:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else model
@@ -116,6 +117,9 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
         horizon[0] = _planned_steps(cfg, len(train_set), world, step, epoch, sampler.position)
         log.event("resumed", step=step, epoch=epoch, path=str(resume_path), sample=sampler.position,
                   saved_world_size=state.world_size, world_size=world)  # fmt: skip
+        if horizon[0] <= step:
+            log.note(f"this run already finished ({cfg.epochs} epochs, step {step}); pass --epochs N with N > {cfg.epochs} "
+                     f"to train on from here, or --out NEW to start another")  # fmt: skip
     log.start_bar(total=horizon[0], done=step)
     saver = ckptkit.AsyncSaver() if cfg.async_save else None
     stop = ckptkit.StopSignal()
@@ -196,7 +200,8 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     if status == "done":
         ckptkit.save_on_master(ckptkit.unwrap_model(net).state_dict(), out / "model.safetensors")
     stop.restore()
-    log.event("end", status=status, step=step, epoch=epoch, val_acc=val_acc)
+    # A preempted run's last evaluation is from before the stop: not the model it saved.
+    log.event("end", status=status, step=step, epoch=epoch, **({"val_acc": val_acc} if status == "done" else {}))
     log.close()
     if distributed:
         # DDP holds the process group; free it (and its reference cycles) while Python is fully

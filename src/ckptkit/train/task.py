@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from .config import resolve
 
 
 def default_data(seed: int = 0, n_train: int = 8192, n_val: int = 2048, dim: int = 32, classes: int = 10) -> tuple[Any, Any]:
@@ -29,8 +30,6 @@ def default_model(dim: int = 32, hidden: int = 128, classes: int = 10) -> Any:
     )  # fmt: skip
 
 
-def factory(spec: str) -> Any:
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise SystemExit(f"ckptkit.train: expected pkg.module:factory, got {spec!r}")
-    return getattr(importlib.import_module(module), name)()
+def factory(spec: str, flag: str) -> Any:
+    """Call the factory ``pkg.module:factory`` names (``flag`` names it in errors)."""
+    return resolve(spec, flag)()
