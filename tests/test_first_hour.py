@@ -295,3 +295,14 @@ def test_a_new_user_from_the_parent_folder_of_a_fresh_clone(tmp_path: Path) -> N
     (tmp_path / "example.py").write_text(_readme_blocks()[0])
     example = here("python", "example.py")
     assert example.returncode == 0, example.stderr[-2000:]
+
+
+def test_paths_are_checked_by_ckptkit_not_by_click() -> None:
+    """click's own readability check turned an unreadable SRC into a usage error (exit 2, usage
+    text); ckptkit opens the file and says what is wrong in its one line, exit 1."""
+    import click
+
+    for name, command in main.commands.items():
+        for param in command.params:
+            if isinstance(param.type, click.Path):
+                assert not param.type.readable and not param.type.exists, (name, param.name)
