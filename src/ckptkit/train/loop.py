@@ -1,14 +1,21 @@
-"""The training loop: processes and devices, seeds, data, model, resume, the loop, the end."""
+"""The training loop, in the order it runs: processes, parts, resume, epochs, the end.
+
+``train`` reads top to bottom; each step is a small function below it. Everything about
+checkpoints goes through ckptkit's public API: rank-0 atomic saves every rank waits for,
+weights-only loads, the resumable sampler, an agreed stop on a signal, a ``latest`` pointer
+that only ever names a complete file.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,55 +23,75 @@ import ckptkit
 
 from .config import TrainConfig, check, check_environment
 from .log import Logger
+from .schedule import LRSchedule, planned_steps
 from .task import default_data, default_model, factory
-
-
-def _lr_lambda(warmup: int, horizon: list[int]) -> Any:
-    def factor(step: int) -> float:  # linear warmup, then cosine to 10% at horizon[0]
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, horizon[0] - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _planned_steps(cfg: TrainConfig, n: int, world: int, step: int, epoch: int, position: int) -> int:
-    """Optimizer steps done plus those left at this world size (the LR schedule's horizon).
-
-    After a resume with the same world size this is the original horizon, so the schedule is
-    unchanged; with another world size the schedule still ends where training ends."""
-    per_epoch = math.ceil(math.ceil(n / world) / cfg.batch_size / cfg.accum)
-    this_epoch = math.ceil(math.ceil(max(n - position, 0) / world) / cfg.batch_size / cfg.accum)
-    left = this_epoch + max(cfg.epochs - epoch - 1, 0) * per_epoch if epoch < cfg.epochs else 0
-    return min(step + left, cfg.max_steps) if cfg.max_steps else step + left
 
 
 def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """Train, checkpointing as configured; returns the final metrics.
 
     Under torchrun (``WORLD_SIZE`` set) it joins the process group; otherwise it runs as one
-    process. Returns ``{"status": "done" | "preempted", "step", "epoch", "val_acc", ...}``.
-    """
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
+    process. Returns ``{"status": "done" | "preempted", "step", "epoch", "val_acc"}``.
 
+    Example:
+        >>> train(TrainConfig(out="runs/x", epochs=1), model=my_net, data=(train_set, val_set))  # doctest: +SKIP
+    """
     check(cfg)
     check_environment(cfg)
+    env = _start_processes(cfg)
+    log = Logger(Path(cfg.out) / "metrics.jsonl", enabled=env.master, progress=env.master and sys.stdout.isatty())
+    run = _build(cfg, env, model, data)
+    _resume(cfg, env, run, log)
+    log.event("start", world_size=env.world, backend=env.backend, device=str(env.device),
+              planned_steps=run.schedule.horizon, config=asdict(cfg))  # fmt: skip
+    log.start_bar(total=run.schedule.horizon, done=run.step)
+    stop = ckptkit.StopSignal()  # a signal on any rank: every rank stops at the same step
+    saver = ckptkit.AsyncSaver() if cfg.async_save else None
+    run.tick = time.perf_counter()
+    val_acc = _evaluate(env, run, log) if run.step == 0 else math.nan  # the untrained baseline
+    status = "done"
+    while run.epoch < cfg.epochs and not run.finished(cfg):
+        status = _run_epoch(cfg, env, run, log, stop, saver)
+        if status == "preempted":
+            break
+        if run.sampler.position >= len(run.sampler.dataset):  # the epoch ran to its end, not cut by --max-steps
+            val_acc = _evaluate(env, run, log)
+            run.epoch += 1
+            run.sampler.set_epoch(run.epoch)  # the checkpoint then says "epoch+1, position 0"
+            _save(cfg, run, log, saver, "epoch end")
+    result = _finish(cfg, env, run, log, stop, saver, status, val_acc)
+    del run, stop, saver  # DDP holds the process group: free it before the group goes (see _end_processes)
+    _end_processes(env)
+    return result
 
-    # -- processes and devices
-    distributed = "WORLD_SIZE" in os.environ
+
+# -- 1. processes and devices ---------------------------------------------------------------------
+
+
+@dataclass
+class _Env:
+    device: Any
+    backend: str
+    distributed: bool
+    rank: int
+    world: int
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def _start_processes(cfg: TrainConfig) -> _Env:
+    import torch
+    import torch.distributed as dist
+
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda:  # ranks beyond the GPU count share GPUs (e.g. 2 processes on 1 GPU over gloo)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    # cuda:LOCAL_RANK, wrapping around when more ranks than GPUs share a node (2 processes on 1 GPU over gloo)
+    device = torch.device(ckptkit.device_for_rank(cuda_available=use_cuda) if use_cuda else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    distributed = "WORLD_SIZE" in os.environ
     if distributed and not dist.is_initialized():
         # torchrun's store outlives a failed attempt; without a fresh key prefix per attempt,
         # restarted workers read the dead attempt's gloo addresses and fail to connect (seen
@@ -74,171 +101,214 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
         dist.init_process_group(backend, store=dist.PrefixStore(f"ckptkit/attempt_{attempt}", store),
                                 rank=env_rank, world_size=env_world)  # fmt: skip
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    master = rank == 0
-    out = Path(cfg.out)
-    if master:
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-    log = Logger(out / "metrics.jsonl", enabled=master, progress=master and sys.stdout.isatty())
+    if rank == 0:
+        (Path(cfg.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
+    return _Env(device, backend if distributed else "none", distributed, rank, world)
 
-    # -- seeds: one model initialisation everywhere, one RNG stream per rank (dropout)
+
+# -- 2. the parts: model, optimizer, schedule, mixed precision, data --------------------------------
+
+
+@dataclass
+class _Run:
+    """Everything the loop works on, and where it is."""
+
+    net: Any
+    opt: Any
+    sched: Any
+    schedule: LRSchedule
+    scaler: Any
+    amp_dtype: Any
+    sampler: Any
+    loader: Any
+    loader_gen: Any
+    val_loader: Any
+    ckpts: Any
+    loss_sum: Any  # summed over the samples since the last log line, across epoch ends
+    step: int = 0
+    epoch: int = 0
+    last_saved: int = -1
+    seen: int = 0
+    tick: float = 0.0
+
+    def finished(self, cfg: TrainConfig) -> bool:
+        return bool(cfg.max_steps) and self.step >= cfg.max_steps
+
+
+def _build(cfg: TrainConfig, env: _Env, model: Any, data: tuple[Any, Any] | None) -> _Run:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    # Seeds: one model initialisation everywhere, then one RNG stream per rank (dropout).
     torch.manual_seed(cfg.seed)
     model = model if model is not None else (factory(cfg.model, "--model") if cfg.model else default_model())
     train_set, val_set = data if data is not None else (factory(cfg.data, "--data") if cfg.data else default_data(cfg.seed))
-    torch.manual_seed(cfg.seed + 1000 * rank)
+    torch.manual_seed(cfg.seed + 1000 * env.rank)
 
-    # -- data: every rank a disjoint shard; the sampler knows its position within the epoch
+    # Every rank a disjoint shard; the sampler knows its position within the epoch. The loader
+    # has its own generator: iter(loader) would otherwise draw from the global RNG.
     sampler = ckptkit.ResumableDistributedSampler(train_set, shuffle=True, seed=cfg.seed)
-    # The loader's own generator: iter(loader) would otherwise draw from the global RNG.
     loader_gen = torch.Generator()
-    pin = device.type == "cuda"
+    pin = env.device.type == "cuda"
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
                         generator=loader_gen, pin_memory=pin)  # fmt: skip
     val_loader = DataLoader(val_set, batch_size=256, generator=torch.Generator(), pin_memory=pin,
-                            sampler=DistributedSampler(val_set, shuffle=False) if distributed else None)  # fmt: skip
+                            sampler=DistributedSampler(val_set, shuffle=False) if env.distributed else None)  # fmt: skip
 
-    # -- model, optimizer, schedule, mixed precision
-    model.to(device)
-    if cfg.sync_bn and distributed:
+    model.to(env.device)
+    if cfg.sync_bn and env.distributed:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else model
+    net = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None) if env.distributed else model
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    horizon = [_planned_steps(cfg, len(train_set), world, 0, 0, 0)]  # a list: updated after a resume
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.warmup_steps, horizon))
+    schedule = LRSchedule(cfg.warmup_steps, planned_steps(cfg, len(train_set), env.world, 0, 0, 0))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
-
-    # -- resume: rank 0 picks the newest intact checkpoint (every CRC checked), every rank loads that one
-    ckpts = ckptkit.CheckpointFolder(out / "checkpoints", keep=cfg.keep)
-    step, epoch = 0, 0
-    resume_path = None if cfg.resume == "none" else ckpts.latest(full=True) if cfg.resume == "auto" else Path(cfg.resume)
-    if resume_path is not None:
-        state = ckptkit.load_training_state(resume_path, model=net, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler)
-        step, epoch = state.step, state.epoch
-        horizon[0] = _planned_steps(cfg, len(train_set), world, step, epoch, sampler.position)
-        log.event("resumed", step=step, epoch=epoch, path=str(resume_path), sample=sampler.position,
-                  saved_world_size=state.world_size, world_size=world)  # fmt: skip
-        if horizon[0] <= step:
-            log.note(f"this run already finished ({cfg.epochs} epochs, step {step}); pass --epochs N with N > {cfg.epochs} "
-                     f"to train on from here, or --out NEW to start another")  # fmt: skip
-    log.start_bar(total=horizon[0], done=step)
-    saver = ckptkit.AsyncSaver() if cfg.async_save else None
-    stop = ckptkit.StopSignal()
-    last_saved = step if resume_path is not None else -1
-
-    def save(reason: str) -> None:
-        nonlocal last_saved
-        if step == last_saved:
-            return
-        started = time.perf_counter()
-        path = ckpts.path_for(step)
-        parts: dict[str, Any] = dict(model=net, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, epoch=epoch, step=step)
-        if saver is not None:
-            saver.save_training_state(path, on_done=lambda: ckpts.commit(path), **parts)
-        else:
-            ckptkit.save_training_state(path, **parts)
-            ckpts.commit(path)
-        last_saved = step
-        log.event("save", step=step, reason=reason, blocking_s=round(time.perf_counter() - started, 6), async_save=saver is not None)
-
-    # -- the loop: optimizer steps of `accum` micro-batches; save, log, maybe stop, at step ends
-    log.event("start", world_size=world, backend=backend if distributed else "none", device=str(device),
-              planned_steps=horizon[0], config=asdict(cfg))  # fmt: skip
-    done = lambda: bool(cfg.max_steps) and step >= cfg.max_steps  # noqa: E731
-    status, loss_sum, seen, tick = "done", torch.zeros((), device=device), 0, time.perf_counter()
-    val_acc = float("nan")
-    if step == 0:  # the untrained baseline, so the log shows learning (eval draws no random numbers)
-        val_acc = _evaluate(net, val_loader, device, dist if distributed else None, log, step, epoch)
-    while epoch < cfg.epochs and not done():
-        sampler.set_epoch(epoch)
-        loader_gen.manual_seed(cfg.seed + epoch)
-        batches = iter(loader)
-        while not done():
-            micro = [b for _, b in zip(range(cfg.accum), batches, strict=False)]
-            if not micro:
-                break
-            net.train()
-            opt.zero_grad(set_to_none=True)
-            for i, (x, y) in enumerate(micro):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                sync = contextlib.nullcontext() if i == len(micro) - 1 or not distributed else net.no_sync()
-                with sync:
-                    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                        loss = F.cross_entropy(net(x), y)
-                    scaler.scale(loss / len(micro)).backward()
-                loss_sum += loss.detach() * len(x)
-                seen += len(x)
-                sampler.advance(len(x))
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            step += 1
-            log.advance(epoch)
-            if step % cfg.log_every == 0 or step == horizon[0]:
-                tick = _log_train(log, dist if distributed else None, loss_sum, seen, step, epoch, sched, tick, world)
-                loss_sum.zero_()
-                seen = 0
-            if stop.should_stop():
-                status = "preempted"
-                break
-            if cfg.save_every and step % cfg.save_every == 0:
-                save("interval")
-        if status == "preempted":
-            break
-        if sampler.position >= len(train_set):  # the epoch ran to its end (not cut by max_steps)
-            val_acc = _evaluate(net, val_loader, device, dist if distributed else None, log, step, epoch)
-            epoch += 1
-            sampler.set_epoch(epoch)  # the checkpoint then says "epoch+1, position 0"
-            save("epoch end")
-
-    # -- the end: last checkpoint, then the plain single-device weights
-    # Cut by --max-steps mid-epoch, or resumed with nothing left to do: evaluate what we have.
-    if status == "done" and (sampler.position not in (0, len(train_set)) or math.isnan(val_acc)):
-        val_acc = _evaluate(net, val_loader, device, dist if distributed else None, log, step, epoch)
-    save("preempted" if status == "preempted" else "final")
-    if saver is not None:
-        saver.close()
-    if status == "done":
-        ckptkit.save_on_master(ckptkit.unwrap_model(net).state_dict(), out / "model.safetensors")
-    stop.restore()
-    # A preempted run's last evaluation is from before the stop: not the model it saved.
-    log.event("end", status=status, step=step, epoch=epoch, **({"val_acc": val_acc} if status == "done" else {}))
-    log.close()
-    if distributed:
-        # DDP holds the process group; free it (and its reference cycles) while Python is fully
-        # alive, so destroy_process_group() tears every gloo group down now and not during
-        # interpreter exit, where a gloo worker thread can abort the process (pytorch#179291).
-        del net, save, opt, sched
-        gc.collect()
-        dist.destroy_process_group()
-    return {"status": status, "step": step, "epoch": epoch, "val_acc": val_acc}
+    scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
+    ckpts = ckptkit.CheckpointFolder(Path(cfg.out) / "checkpoints", keep=cfg.keep)
+    return _Run(net, opt, sched, schedule, scaler, amp_dtype, sampler, loader, loader_gen, val_loader, ckpts,
+                loss_sum=torch.zeros((), device=env.device))  # fmt: skip
 
 
-def _log_train(log: Logger, dist: Any, loss_sum: Any, seen: int, step: int, epoch: int, sched: Any, tick: float, world: int) -> float:
-    import torch
-
-    totals = torch.stack([loss_sum.float(), torch.tensor(float(seen), device=loss_sum.device)])
-    if dist is not None:
-        dist.all_reduce(totals)  # metrics averaged over every rank's samples
-    now = time.perf_counter()
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
-    rate = totals[1].item() / max(now - tick, 1e-9)
-    log.metric(step=step, epoch=epoch, loss=round(loss, 6), lr=sched.get_last_lr()[0], samples_per_s=round(rate, 1))
-    return now
+# -- 3. resume: rank 0 picks the newest intact checkpoint (every CRC checked), every rank loads it ---
 
 
-def _evaluate(net: Any, loader: Any, device: Any, dist: Any, log: Logger, step: int, epoch: int) -> float:
+def _resume(cfg: TrainConfig, env: _Env, run: _Run, log: Logger) -> None:
+    path = None if cfg.resume == "none" else run.ckpts.latest(full=True) if cfg.resume == "auto" else Path(cfg.resume)
+    if path is None:
+        return
+    state = ckptkit.load_training_state(path, model=run.net, optimizer=run.opt, scheduler=run.sched, scaler=run.scaler,
+                                        sampler=run.sampler)  # fmt: skip
+    run.step, run.epoch, run.last_saved = state.step, state.epoch, state.step
+    n = len(run.sampler.dataset)
+    run.schedule.horizon = planned_steps(cfg, n, env.world, run.step, run.epoch, run.sampler.position)
+    log.event("resumed", step=run.step, epoch=run.epoch, path=str(path), sample=run.sampler.position,
+              saved_world_size=state.world_size, world_size=env.world)  # fmt: skip
+    if run.schedule.horizon <= run.step:
+        log.note(f"this run already finished ({cfg.epochs} epochs, step {run.step}); pass --epochs N with N > {cfg.epochs} "
+                 f"to train on from here, or --out NEW to start another")  # fmt: skip
+
+
+# -- 4. one epoch: optimizer steps of --accum micro-batches; log, maybe stop, maybe save ------------
+
+
+def _run_epoch(cfg: TrainConfig, env: _Env, run: _Run, log: Logger, stop: Any, saver: Any) -> str:
     import torch
     import torch.nn.functional as F
 
-    net.eval()
-    totals = torch.zeros(3, device=device)  # loss sum, correct, count
+    run.sampler.set_epoch(run.epoch)
+    run.loader_gen.manual_seed(cfg.seed + run.epoch)
+    batches = iter(run.loader)
+    while not run.finished(cfg):
+        micro = [b for _, b in zip(range(cfg.accum), batches, strict=False)]
+        if not micro:
+            return "done"
+        run.net.train()
+        run.opt.zero_grad(set_to_none=True)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            # DDP averages gradients only on the last micro-batch of the step.
+            sync = contextlib.nullcontext() if i == len(micro) - 1 or not env.distributed else run.net.no_sync()
+            with sync:
+                with torch.autocast(env.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+                    loss = F.cross_entropy(run.net(x), y)
+                run.scaler.scale(loss / len(micro)).backward()
+            run.loss_sum += loss.detach() * len(x)
+            run.seen += len(x)
+            run.sampler.advance(len(x))
+        run.scaler.step(run.opt)
+        run.scaler.update()
+        run.sched.step()
+        run.step += 1
+        log.advance(run.epoch)
+        if run.step % cfg.log_every == 0 or run.step == run.schedule.horizon:
+            _log_train(env, run, log)
+        if stop.should_stop():
+            return "preempted"
+        if cfg.save_every and run.step % cfg.save_every == 0:
+            _save(cfg, run, log, saver, "interval")
+    return "done"
+
+
+def _save(cfg: TrainConfig, run: _Run, log: Logger, saver: Any, reason: str) -> None:
+    """Must be called on all ranks. Rank 0 writes; ``latest`` moves once the file is complete."""
+    if run.step == run.last_saved:
+        return
+    started = time.perf_counter()
+    path = run.ckpts.path_for(run.step)
+    parts: dict[str, Any] = dict(model=run.net, optimizer=run.opt, scheduler=run.sched, scaler=run.scaler,
+                                 sampler=run.sampler, epoch=run.epoch, step=run.step)  # fmt: skip
+    if saver is not None:
+        saver.save_training_state(path, on_done=functools.partial(run.ckpts.commit, path), **parts)
+    else:
+        ckptkit.save_training_state(path, **parts)
+        run.ckpts.commit(path)
+    run.last_saved = run.step
+    log.event("save", step=run.step, reason=reason, blocking_s=round(time.perf_counter() - started, 6), async_save=saver is not None)
+
+
+def _log_train(env: _Env, run: _Run, log: Logger) -> None:
+    import torch
+    import torch.distributed as dist
+
+    totals = torch.stack([run.loss_sum.float(), torch.tensor(float(run.seen), device=run.loss_sum.device)])
+    if env.distributed:
+        dist.all_reduce(totals)  # metrics averaged over every rank's samples
+    now = time.perf_counter()
+    loss = (totals[0] / totals[1].clamp(min=1)).item()
+    rate = totals[1].item() / max(now - run.tick, 1e-9)
+    log.metric(step=run.step, epoch=run.epoch, loss=round(loss, 6), lr=run.sched.get_last_lr()[0], samples_per_s=round(rate, 1))
+    run.loss_sum.zero_()
+    run.seen, run.tick = 0, now
+
+
+def _evaluate(env: _Env, run: _Run, log: Logger) -> float:
+    """Accuracy on the validation set, over every rank's shard (draws no random numbers)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    run.net.eval()
+    totals = torch.zeros(3, device=env.device)  # loss sum, correct, count
     with torch.no_grad():
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            logits = net(x)
-            totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
-    if dist is not None:
+        for x, y in run.val_loader:
+            x, y = x.to(env.device), y.to(env.device)
+            logits = run.net(x)
+            totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum(),
+                                   torch.tensor(len(y), device=env.device)])  # fmt: skip
+    if env.distributed:
         dist.all_reduce(totals)
     acc = (totals[1] / totals[2]).item()
-    log.metric(step=step, epoch=epoch, val_loss=round((totals[0] / totals[2]).item(), 6), val_acc=round(acc, 4))
+    log.metric(step=run.step, epoch=run.epoch, val_loss=round((totals[0] / totals[2]).item(), 6), val_acc=round(acc, 4))
     return acc
+
+
+# -- 5. the end: the last checkpoint, then the plain single-device weights --------------------------
+
+
+def _finish(cfg: TrainConfig, env: _Env, run: _Run, log: Logger, stop: Any, saver: Any, status: str, val_acc: float) -> dict[str, Any]:
+    # Cut by --max-steps mid-epoch, or resumed with nothing left to do: evaluate what we have.
+    if status == "done" and (run.sampler.position not in (0, len(run.sampler.dataset)) or math.isnan(val_acc)):
+        val_acc = _evaluate(env, run, log)
+    _save(cfg, run, log, saver, "preempted" if status == "preempted" else "final")
+    if saver is not None:
+        saver.close()
+    if status == "done":
+        ckptkit.save_on_master(ckptkit.unwrap_model(run.net).state_dict(), Path(cfg.out) / "model.safetensors")
+    stop.restore()
+    # A preempted run's last evaluation is from before the stop: not the model it saved.
+    log.event("end", status=status, step=run.step, epoch=run.epoch, **({"val_acc": val_acc} if status == "done" else {}))
+    log.close()
+    return {"status": status, "step": run.step, "epoch": run.epoch, "val_acc": val_acc}
+
+
+def _end_processes(env: _Env) -> None:
+    """Leave the process group while Python is fully alive (the caller has dropped the DDP model
+    that holds it): destroy_process_group() then tears every gloo group down now, not during
+    interpreter exit, where a gloo worker thread can abort the process (pytorch#179291)."""
+    import torch.distributed as dist
+
+    if env.distributed:
+        gc.collect()  # DDP's reference cycles
+        dist.destroy_process_group()
