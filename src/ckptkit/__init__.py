@@ -37,8 +37,8 @@ _PUBLIC: dict[str, str] = {
     "read_checkpoint": "._read",
     "device_for_rank": "._devices",
     "save_training_state": "._state",
-    "load_training_state": "._state",
-    "TrainingState": "._state",
+    "load_training_state": "._resume",
+    "TrainingState": "._resume",
     "ResumableDistributedSampler": "._sampler",
     "AsyncSaver": ".dist.async_save",
     "CheckpointFolder": ".dist.folder",
@@ -90,8 +90,9 @@ if TYPE_CHECKING:
     from ._inspect import inspect_checkpoint
     from ._load import load_for_rank
     from ._read import read_checkpoint
+    from ._resume import TrainingState, load_training_state
     from ._sampler import ResumableDistributedSampler
-    from ._state import TrainingState, load_training_state, save_training_state
+    from ._state import save_training_state
     from ._unwrap import unwrap_model
     from ._verify import verify_checkpoint
     from ._write import write_checkpoint

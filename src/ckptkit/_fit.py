@@ -55,6 +55,23 @@ def load_into_model(
     source: str = "state dict",
 ) -> None:
     """Adapt wrapper prefixes to ``model`` and load; report every mismatch at once."""
+    model.load_state_dict(fit_to_model(model, state_dict, strict=strict, wrappers=wrappers, source=source), strict=strict)
+
+
+def fit_to_model(
+    model: Any,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    wrappers: Iterable[str] = WRAPPER_PREFIXES,
+    source: str = "state dict",
+) -> Mapping[str, Any]:
+    """``state_dict`` renamed for ``model``'s wrapping, ready for ``model.load_state_dict``;
+    ``model`` itself is not touched, so a caller can check everything before changing anything.
+
+    Raises:
+        StateDictMismatchError: with ``strict``, every missing, unexpected or mis-shaped key.
+    """
     adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
     found = check_fit(adapted, model.state_dict())
     missing, unexpected, mismatched = found
@@ -65,10 +82,10 @@ def load_into_model(
     if mismatched:
         # torch raises on shape mismatches even with strict=False; skipping them is what
         # strict=False users ask for.
-        warnings.warn(f"{source}: skipped {len(mismatched)} key(s) with mismatched shapes", stacklevel=3)
+        warnings.warn(f"{source}: skipped {len(mismatched)} key(s) with mismatched shapes", stacklevel=4)
         meta = getattr(adapted, "_metadata", None)
         for k, _, _ in mismatched:
             del adapted[k]
         if meta is not None:
             adapted._metadata = meta  # type: ignore[attr-defined]
-    model.load_state_dict(adapted, strict=strict)
+    return adapted
