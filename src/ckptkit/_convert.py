@@ -1,9 +1,10 @@
 """``ckptkit convert``: rename wrapper prefixes, optionally change format, never lose data.
 
 The fast path (torch zip and safetensors) never imports torch: it rewrites names and copies
-tensor bytes as they are. Everything else (legacy files, DCP folders, files that need
-``trust``, layouts the fast path does not model) goes through torch, with the same renaming
-rules and the same write path.
+tensor bytes as they are, checking each against the CRC-32 the source records for it. Everything
+else (legacy files, DCP folders, files that need ``trust``, layouts the fast path does not model)
+goes through torch, with the same renaming rules and the same write path; a torch zip or
+safetensors source has its recorded CRC-32s checked before anything is written (torch checks none).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .errors import ArgumentError, spell, summarize
 from .formats import rewrite as fp
 from .formats.atomic import atomic_write
 from .formats.detect import SAFETENSORS, ZIP, Format, check_exists, detect_format
+from .formats.integrity import check_recorded_crcs
 from .formats.safetensors import parse_aliases, read_header
 from .formats.torchpickle import UnsupportedGlobal
 from .prefix import detect_prefixes, rewrite_prefixes
@@ -105,6 +107,12 @@ def convert_checkpoint(
     ``model_only`` asks for the weights alone. ``dst`` is written atomically and never
     replaces ``src``.
 
+    Every tensor byte is checked against the CRC-32 the source records for it (a torch zip's
+    records; ckptkit's per-tensor CRC-32s in safetensors it wrote) as it is copied, so a damaged
+    source fails with :class:`~ckptkit.errors.CheckpointFormatError` naming each damaged tensor,
+    and ``dst`` is not written. Legacy files, DCP folders and safetensors files from other
+    writers record no CRC-32s, so there is nothing to check their bytes against.
+
     Args:
         src: torch zip or legacy file, safetensors file, or DCP folder.
         dst: output path; ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
@@ -124,6 +132,11 @@ def convert_checkpoint(
 
     Returns:
         A :class:`ConvertReport`.
+
+    Raises:
+        CheckpointFormatError: ``src`` is damaged (its bytes differ from their recorded CRC-32s)
+            or is not a checkpoint; ArgumentError, CheckpointNotFoundError, UnsafeCheckpointError,
+            CheckpointWriteError as their names say.
 
     Example:
         >>> convert_checkpoint("ddp.pt", "single.pt")  # doctest: +SKIP
@@ -157,6 +170,8 @@ def convert_checkpoint(
     from ._read import read_checkpoint  # deferred: torch is imported only when this path is taken
 
     obj = read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)
+    # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
+    check_recorded_crcs(source, in_fmt, progress=report_progress)
     report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
     report.fast, report.fallback_reason = False, reason
     return report

@@ -1,25 +1,43 @@
 """File primitives every format shares: bounded reads, kernel-side copies, CRC-32.
 
 The CRC-32 function lives here alone, so every reader and writer checks bytes the same way.
+It is ISA-L's (the ``isal`` package, ~6x ``zlib.crc32`` on x86-64 with PCLMUL; BENCHMARKS.md),
+and ``zlib``'s where no ``isal`` wheel exists (pyproject.toml's markers): the same polynomial,
+the same values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import mmap
 import os
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 
-_CHUNK = 64 << 20
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # a platform without an isal wheel: zlib's, several times slower
+    from zlib import crc32 as _crc32
+
+_CHUNK = 64 << 20  # a plain copy's step, and how much is copied between writeback starts
+_CHECKED_STEP = 32 << 20  # a checked copy's step: the copy and its CRC read the same bytes at once
+_MAPPED_FROM = 2 << 20  # shorter ranges are CRC'd from a read: a mapping and a thread cost more than they save
 Progress = Callable[[int], None]
 
 
 def crc32(data: Any, value: int = 0) -> int:
-    """CRC-32 (the zip polynomial) of ``data``, continuing from ``value``."""
-    return zlib.crc32(data, value)
+    """CRC-32 (the zip polynomial) of ``data``, continuing from ``value``.
+
+    Example:
+        >>> hex(crc32(b"123456789"))
+        '0xcbf43926'
+    """
+    return _crc32(data, value)
 
 
 class ClampedReader:
@@ -74,33 +92,120 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
 _start_writeback = _writeback_starter()
 
 
-def copy_range(src: BinaryIO, dst: BinaryIO, offset: int, length: int, progress: Progress | None = None) -> None:
-    """Append ``length`` bytes of ``src`` from ``offset`` to ``dst``, in the kernel when it can."""
+def copy_range(
+    src: BinaryIO, dst: BinaryIO, offset: int, length: int, progress: Progress | None = None, *, crc: bool = False
+) -> int:
+    """Append ``length`` bytes of ``src`` from ``offset`` to ``dst``, in the kernel when it can.
+
+    With ``crc``, returns the CRC-32 of the source bytes as they are copied (else 0), for the
+    caller to hold against the CRC the source records: while the kernel copies each step
+    (``copy_file_range``), a second thread CRCs the same bytes from a read-only mapping of the
+    source, so checking costs little more than the copy and nothing is copied into Python.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as s, tempfile.TemporaryFile() as d:
+        ...     _ = s.write(b"123456789")
+        ...     s.flush()
+        ...     hex(copy_range(s, d, 0, 9, crc=True))
+        '0xcbf43926'
+    """
     dst.flush()
     out, inp = dst.fileno(), src.fileno()
     written_at = os.lseek(out, 0, os.SEEK_CUR)
-    done = 0
+    value = done = started = 0
     use_kernel = hasattr(os, "copy_file_range")
-    while done < length:
-        step = min(_CHUNK, length - done)
-        n = 0
-        if use_kernel:
-            try:
-                n = os.copy_file_range(inp, out, step, offset + done)
-            except OSError:  # cross-device on old kernels, or a filesystem without support
-                use_kernel = False
-        if not use_kernel:
-            src.seek(offset + done)
-            chunk = src.read(step)
-            dst.write(chunk)
-            dst.flush()
-            n = len(chunk)
-        if n <= 0:
-            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
-        _start_writeback(out, written_at + done, n)
-        done += n
-        if progress is not None:
-            progress(n)
+    with _mapped(inp, offset, length) if crc and use_kernel else contextlib.nullcontext() as view:
+        while done < length:
+            step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
+            n = 0
+            if use_kernel:
+                try:
+                    n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, view)
+                except OSError:  # cross-device on old kernels, or a filesystem without support
+                    use_kernel = False
+            if not use_kernel:
+                src.seek(offset + done)
+                chunk = src.read(step)
+                dst.write(chunk)
+                dst.flush()
+                n = len(chunk)
+                value = _crc32(chunk, value) if crc else 0
+            if n <= 0:
+                raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
+            done += n
+            if done - started >= _CHUNK or done == length:
+                _start_writeback(out, written_at + started, done - started)
+                started = done
+            if progress is not None:
+                progress(n)
+    return value
+
+
+def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, view: _View | None) -> tuple[int, int]:
+    """``copy_file_range`` of up to ``step`` bytes at ``at``: ``(bytes copied, CRC-32 continued
+    from value)``; no CRC (0) where ``value`` is None."""
+    if value is None:
+        return os.copy_file_range(inp, out, step, at), 0
+    if view is None:  # not mapped (a short range): read back what was copied, from warm pages
+        n = os.copy_file_range(inp, out, step, at)
+        return n, _crc32(os.pread(inp, n, at), value) if n > 0 else value
+    whole, first = view
+    with whole[at - first : at - first + step] as part:
+        job = _worker().submit(_crc32, part, value)  # on another core, while the kernel copies the same bytes
+        try:
+            n = os.copy_file_range(inp, out, step, at)
+        finally:
+            stepped = _wait(job)  # the worker reads the mapping: it must finish before the mapping may close
+        if n == step:
+            return n, stepped
+        return n, _crc32(part[:n], value) if n > 0 else value  # a short copy: CRC what was copied
+
+
+_View = tuple[memoryview, int]
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _worker() -> ThreadPoolExecutor:
+    """The CRC thread, one per process (a forked child starts its own: the parent's is not in it)."""
+    global _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="ckptkit-crc"))
+    return _pool[1]
+
+
+def _wait(job: Future[int]) -> int:
+    try:
+        return job.result()
+    except BaseException:
+        futures.wait([job])  # a signal arrived while waiting: still let the worker finish with the mapping
+        raise
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, offset: int, length: int) -> Iterator[_View | None]:
+    """``(view, first)``: a read-only view of the file from byte ``first`` (<= ``offset``), or
+    None where a range is short or the file cannot be mapped (then reads are used).
+
+    Only bytes inside the file are mapped. A source truncated in place while it is copied would
+    make a read through the view fault (SIGBUS); ckptkit's writers replace files atomically (a new
+    inode), which leaves an open source as it was.
+    """
+    if length < _MAPPED_FROM or offset + length > os.fstat(fd).st_size:  # past the end: mapped reads would SIGBUS
+        yield None
+        return
+    first = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        m = mmap.mmap(fd, offset + length - first, access=mmap.ACCESS_READ, offset=first)
+    except (OSError, ValueError):  # a pipe, or a filesystem that cannot map
+        yield None
+        return
+    view = memoryview(m)
+    try:
+        yield view, first
+    finally:
+        view.release()
+        m.close()
 
 
 def crc_of_range(src: BinaryIO, offset: int, length: int, progress: Progress | None = None) -> int:

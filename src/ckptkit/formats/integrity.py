@@ -12,13 +12,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import os
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from . import torchpickle as tp
-from .bounds import storage_problem, tensor_problems
+from .bounds import storage_problem, tensor_problems, tensors_in
+from .detect import SAFETENSORS, ZIP
 from .fileio import Progress, crc32, crc_of_range
 from .safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
 from .torchzip import Record, TorchZip
@@ -83,8 +87,9 @@ def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> 
     return checks, False
 
 
-def record_crc(z: TorchZip, rec: Record, progress: Progress | None = None) -> int:
-    """The CRC-32 of a record's bytes as stored, or as inflated for a compressed one."""
+def record_crc(z: TorchZip, rec: Record, progress: Progress | None = None) -> int | None:
+    """The CRC-32 of a record's bytes as stored, or as inflated for a compressed one (None: they
+    do not inflate, or zipfile's own CRC check of them failed)."""
     if rec.method == 0:
         return crc_of_range(z.file, rec.data_offset, rec.compressed_size, progress)
     crc = 0
@@ -93,7 +98,7 @@ def record_crc(z: TorchZip, rec: Record, progress: Progress | None = None) -> in
             while chunk := f.read(8 << 20):
                 crc = crc32(chunk, crc)
     except PARSE_ERRORS:  # zipfile's own CRC check failed, or the stream does not inflate
-        return (rec.crc + 1) & 0xFFFFFFFF
+        return None
     return crc
 
 
@@ -123,3 +128,81 @@ def safetensors_checks(f: BinaryIO, source: str, *, full: bool, progress: Progre
     detail = f"damaged: {summarize(bad)}" if bad else f"{len(header) - len(unchecked)} tensors match"
     detail += f"; no CRC for {summarize(unchecked)}" if unchecked else ""
     return [*checks, Check("CRC-32 of every tensor", "integrity", not bad, detail)]
+
+
+class Damage:
+    """Bytes found to differ from the CRC-32 their file records for them, while a copy reads them.
+
+    ``check`` each range as it is read, then ``raise_if_any``: every damaged one is reported at
+    once, named by ``name(key)`` (called for a mismatch only), and nothing is written.
+
+    Example:
+        >>> d = Damage("a.pt", lambda key: tensors_named([key]))
+        >>> d.check("fc.weight", 0x1234, 0x1234)
+        >>> d.raise_if_any()  # no mismatch: nothing raised
+    """
+
+    def __init__(self, source: str, name: Callable[[Any], str]) -> None:
+        self.source, self._name = source, name
+        self.found: list[str] = []
+
+    def check(self, key: Any, recorded: int, read: int | None) -> None:
+        """``read``: the CRC-32 of the bytes as read; None for compressed bytes that do not inflate."""
+        if read is None:
+            self.found.append(f"{self._name(key)} (compressed bytes that do not inflate to CRC-32 {recorded:08x})")
+        elif read != recorded:
+            self.found.append(f"{self._name(key)} (CRC-32 recorded {recorded:08x}, read {read:08x})")
+
+    def raise_if_any(self) -> None:
+        if self.found:
+            raise CheckpointFormatError(
+                f"{self.source} is damaged: {summarize(self.found, 3)}; nothing was written. "
+                "Use an intact copy of the file (ckptkit verify lists every damaged record)"
+            )
+
+
+def record_tensors(z: TorchZip, obj: Any, record: str) -> str:
+    """``tensor fc1.weight in record archive/data/0``: what a record holds, by where its tensors
+    are in ``obj`` (the pickle read through stand-ins; None names the record alone)."""
+    names = sorted(w for w, t in tensors_in(obj) if f"{z.prefix}data/{t.storage.key}" == record) if obj is not None else []
+    return f"{tensors_named(names)} in record {record}" if names else f"record {record}"
+
+
+def tensors_named(names: list[str]) -> str:
+    """``tensor a`` or ``tensors a, b``."""
+    return f"tensor{'s' if len(names) > 1 else ''} {', '.join(names)}"
+
+
+def check_recorded_crcs(path: str | os.PathLike[str], fmt: str, *, progress: Progress | None = None) -> None:
+    """Raise CheckpointFormatError naming every tensor of a torch zip or safetensors file whose
+    bytes differ from the CRC-32 the file records (every zip record; each tensor in ckptkit's
+    ``ckptkit.crc32``); other formats record none, so there is nothing to check.
+
+    Example:
+        >>> check_recorded_crcs("model.pt", "torch-zip")  # doctest: +SKIP
+    """
+    source = os.fspath(path)
+    if fmt == ZIP:
+        with TorchZip(source) as z:
+            pickled = functools.cache(lambda: _stand_ins(z))
+            damage = Damage(source, lambda rec: record_tensors(z, pickled(), rec.name))
+            for rec in z.records:
+                damage.check(rec, rec.crc, record_crc(z, rec, progress))
+            damage.raise_if_any()
+    elif fmt == SAFETENSORS:
+        with open(source, "rb") as f:
+            header, start = read_header(f, source=source)
+            recorded = parse_crcs(header.pop("__metadata__", None) or {}, source)
+            damage = Damage(source, lambda name: tensors_named([name]))
+            for name, e in header.items():
+                if name in recorded:
+                    begin, end = e["data_offsets"]
+                    damage.check(name, recorded[name], crc_of_range(f, start + begin, end - begin, progress))
+        damage.raise_if_any()
+
+
+def _stand_ins(z: TorchZip) -> Any:
+    try:
+        return tp.loads(z.read(f"{z.prefix}data.pkl"))
+    except CheckpointFormatError:  # a global the stand-ins do not model, or data.pkl itself damaged
+        return None

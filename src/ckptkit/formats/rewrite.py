@@ -2,9 +2,11 @@
 
 A source is opened as its containers with leaf references (:class:`TensorRef` for torch zip,
 :class:`StRef` for safetensors) that know where their bytes lie. Writers for either output
-format copy those byte ranges kernel-side. Anything this path does not model raises
-:class:`NeedsTorch` (or :class:`UnsupportedGlobal`) before a byte is written, and the caller
-falls back to torch.
+format copy those byte ranges kernel-side, checking each against the CRC-32 the source records
+for it (zip records; ckptkit's ``ckptkit.crc32`` in safetensors) as it is copied: a damaged
+source fails, naming its damaged tensors, instead of becoming a second damaged file. Anything
+this path does not model raises :class:`NeedsTorch` (or :class:`UnsupportedGlobal`) before a
+byte is written, and the caller falls back to torch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from .bounds import check_tensors
 from .detect import SAFETENSORS, ZIP
 from .dtypes import BY_NAME, BY_SAFETENSORS
 from .fileio import Progress, copy_range, crc_of_range
+from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .safetensors import (
     ALIASES_KEY,
     CRC_KEY,
@@ -36,7 +38,7 @@ from .safetensors import (
     read_header,
     write_with_crcs,
 )
-from .torchzip import TorchZip, ZipWriter
+from .torchzip import Record, TorchZip, ZipWriter
 
 
 class NeedsTorch(Exception):
@@ -109,10 +111,24 @@ def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
     return Source(path, fmt, obj, f, metadata=meta, data_start=start)
 
 
-def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int, int, Any, int | None]:
-    """``(safetensors dtype, shape, absolute offset, length, identity, known CRC-32)`` of a leaf's bytes."""
+@dataclass
+class _Bytes:
+    """Where a leaf's bytes are; ``crc``: the CRC-32 recorded for exactly them; ``key``: what a
+    mismatch names (the StRef, or the zip record, CRC'd whole where the bytes are a view's)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    ident: Any
+    crc: int | None
+    key: StRef | Record
+
+
+def _locate(src: Source, ref: Any, name: str) -> _Bytes:
+    """Where the bytes of leaf ``name`` are, as safetensors would store them."""
     if isinstance(ref, StRef):
-        return ref.dtype, ref.shape, ref.start, ref.length, ref, ref.crc
+        return _Bytes(ref.dtype, ref.shape, ref.start, ref.length, ref, ref.crc, ref)
     t = lp.tensor_of(ref)
     if t is None or src.zip is None:
         raise NeedsTorch(f"{name} is not a plain tensor")
@@ -129,8 +145,22 @@ def _locate(src: Source, ref: Any, name: str) -> tuple[str, tuple[int, ...], int
     start, length = t.byte_range()
     if start < 0 or start + length > rec.size:
         raise CheckpointFormatError(f"{src.path}: tensor {name} reaches past the end of its storage record")
-    known = rec.crc if start == 0 and length == rec.size else None  # the zip's CRC covers exactly these bytes
-    return st, t.shape, rec.data_offset + start, length, (t.storage.key, t.offset, t.shape, t.stride, t.dtype), known
+    ident = (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
+    if start == 0 and length == rec.size:  # the zip's CRC covers exactly these bytes
+        return _Bytes(st, t.shape, rec.data_offset, length, ident, rec.crc, rec)
+    return _Bytes(st, t.shape, rec.data_offset + start, length, ident, None, rec)
+
+
+def _damage(src: Source) -> Damage:
+    """Mismatches named by where their tensors are in the source (``fc1.weight``), for a StRef or a
+    zip Record; raised once the copy is done (the atomic writer's temp file goes with the error)."""
+
+    def name(key: StRef | Record) -> str:
+        if isinstance(key, StRef):
+            return tensors_named([n for n, ref in src.obj.items() if ref is key])  # aliases share one StRef
+        return record_tensors(src.zip, src.obj, key.name) if src.zip is not None else key.name
+
+    return Damage(str(src.path), name)
 
 
 def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
@@ -139,32 +169,39 @@ def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progre
     if bad:
         raise ArgumentError(f"{src.path}: safetensors holds only tensors; not tensors: {summarize(bad)}")
     entries: list[Any] = []
-    copies: list[tuple[str, int, int, int | None]] = []
+    copies: list[tuple[str, _Bytes]] = []
     aliases: dict[str, list[Any]] = {}
     first: dict[Any, str] = {}
     position = {k: i for i, k in enumerate(state)}
     for name, ref in state.items():
-        st, shape, offset, length, ident, known = _locate(src, ref, name)
-        if ident in first and length:
-            aliases[name] = [first[ident], position[name]]
+        b = _locate(src, ref, name)
+        if b.ident in first and b.length:
+            aliases[name] = [first[b.ident], position[name]]
             continue
-        first[ident] = name
-        entries.append((name, st, list(shape), length))
-        copies.append((name, offset, length, known))
+        first[b.ident] = name
+        entries.append((name, b.dtype, list(b.shape), b.length))
+        copies.append((name, b))
     meta = dict(src.metadata or {}) if src.fmt == SAFETENSORS else {"format": "pt"}
     meta.pop(ALIASES_KEY, None)
     meta.pop(CRC_KEY, None)
     if aliases:
         meta[ALIASES_KEY] = json.dumps(aliases)
     fs = src.file
+    damage = _damage(src)
 
     def write_data(crcs: dict[str, int]) -> None:
-        for name, offset, length, known in copies:
-            crcs[name] = known if known is not None else crc_of_range(fs, offset, length)
-            copy_range(fs, f, offset, length, progress)
+        whole: set[str] = set()
+        for name, b in copies:
+            if isinstance(b.key, Record) and b.crc is None and b.key.name not in whole and src.zip is not None:
+                whole.add(b.key.name)  # a view: the zip's CRC-32 is its whole storage's, checked once
+                damage.check(b.key, b.key.crc, record_crc(src.zip, b.key))
+            crcs[name] = copy_range(fs, f, b.offset, b.length, progress, crc=True)
+            if b.crc is not None:
+                damage.check(b.key, b.crc, crcs[name])
+        damage.raise_if_any()
 
     write_with_crcs(f, entries, meta, write_data)
-    return sum(c[2] for c in copies)
+    return sum(b.length for _, b in copies)
 
 
 def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
@@ -187,9 +224,17 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
         meta[CRC_KEY] = crc_metadata(header, {n: state[n].crc for n in header})
     out = {"__metadata__": meta, **header} if meta else header
     f.write(encode_header(out))
-    size = os.fstat(src.file.fileno()).st_size - src.data_start
-    copy_range(src.file, f, src.data_start, size, progress)
-    return size
+    # read_header saw the tensors tile the data section: copied in file order, it is as it was.
+    stored = sorted({id(r): r for r in src.obj.values()}.values(), key=lambda r: r.start)
+    if not any(r.crc is not None for r in stored):  # nothing recorded to check against: one copy
+        stored = [StRef("", (), src.data_start, sum(r.length for r in stored))]
+    damage = _damage(src)
+    for ref in stored:
+        read = copy_range(src.file, f, ref.start, ref.length, progress, crc=ref.crc is not None)
+        if ref.crc is not None:
+            damage.check(ref, ref.crc, read)
+    damage.raise_if_any()
+    return sum(r.length for r in stored)
 
 
 def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:
@@ -199,6 +244,7 @@ def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | Non
         used = set(keys)
         z = src.zip
         w = ZipWriter(f, alignment=z.alignment)
+        damage = _damage(src)
         total = 0
         for rec in z.records:
             if rec.name == f"{z.prefix}data.pkl":
@@ -206,8 +252,10 @@ def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | Non
             elif rec.name.startswith(f"{z.prefix}data/") and rec.name[len(z.prefix) + 5 :] not in used:
                 continue  # a storage only dropped entries used (e.g. the optimizer's, with weights_only)
             else:
-                w.add_copy(rec.name, src.file, rec, progress)
+                read = w.add_copy(rec.name, src.file, rec, progress)
+                damage.check(rec, rec.crc, read if read is not None else record_crc(z, rec))  # None: compressed
                 total += rec.compressed_size
+        damage.raise_if_any()
         w.close()
         return total
     return _safetensors_to_zip(f, src, obj, progress)
@@ -218,7 +266,7 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
     rebuild_v3 = lp.Global("torch._utils", "_rebuild_tensor_v3")
     untyped = lp.Global("torch.storage", "UntypedStorage")
     made: dict[int, lp.TensorRef] = {}
-    ranges: list[tuple[int, int, int | None]] = []
+    ranges: list[StRef] = []
 
     def to_tensor(ref: StRef) -> lp.TensorRef:
         if id(ref) in made:
@@ -233,7 +281,7 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
         else:
             storage = lp.StorageRef(("storage", untyped, key, "cpu", ref.length))
             t = lp.TensorRef(rebuild_v3, (storage, 0, ref.shape, stride, False, hooks, lp.Global("torch", dtype.name)))
-        ranges.append((ref.start, ref.length, ref.crc))
+        ranges.append(ref)
         made[id(ref)] = t
         return t
 
@@ -247,12 +295,15 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
                           (f"{prefix}.storage_alignment", b"64"), (f"{prefix}byteorder", b"little")):  # fmt: skip
         w.add_bytes(name, payload)
     digest = hashlib.sha1(data)
-    for i, (offset, length, known) in enumerate(ranges):
-        # Zip records carry a CRC-32: the recorded one if the source has it, else one read.
-        crc = known if known is not None else crc_of_range(src.file, offset, length)
+    damage = _damage(src)
+    for i, ref in enumerate(ranges):
+        # A zip record's CRC-32 precedes its bytes: the recorded one if the source has it, else
+        # one read first; either way the bytes are CRC'd again as copied, and must agree.
+        crc = ref.crc if ref.crc is not None else crc_of_range(src.file, ref.start, ref.length)
         digest.update(crc.to_bytes(4, "little"))
-        w.add_range(f"{prefix}data/{i}", src.file, offset, length, crc, progress)
+        damage.check(ref, crc, w.add_range(f"{prefix}data/{i}", src.file, ref.start, ref.length, crc, progress))
+    damage.raise_if_any()
     w.add_bytes(f"{prefix}version", b"3\n")
     w.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
     w.close()
-    return sum(r[1] for r in ranges)
+    return sum(r.length for r in ranges)

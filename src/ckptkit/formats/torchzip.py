@@ -192,15 +192,22 @@ class ZipWriter:
         self._header(name.encode(), crc32(data), len(data), len(data), zipfile.ZIP_STORED)
         self.f.write(data)
 
-    def add_copy(self, name: str, src: BinaryIO, rec: Record, progress: Progress | None = None) -> None:
-        """Copy a record's bytes from another zip, keeping its CRC and compression as they were."""
-        self._header(name.encode(), rec.crc, rec.compressed_size, rec.size, rec.method)
-        copy_range(src, self.f, rec.data_offset, rec.compressed_size, progress)
+    def add_copy(self, name: str, src: BinaryIO, rec: Record, progress: Progress | None = None) -> int | None:
+        """Copy a record's bytes from another zip, keeping its CRC and compression as they were.
 
-    def add_range(self, name: str, src: BinaryIO, offset: int, length: int, crc: int, progress: Progress | None = None) -> None:
-        """Store ``length`` bytes of ``src`` from ``offset`` under a CRC the caller computed."""
+        Returns the CRC-32 of a stored record's bytes as copied, for the caller to hold against
+        ``rec.crc`` (None for a compressed record, whose CRC covers the inflated bytes).
+        """
+        self._header(name.encode(), rec.crc, rec.compressed_size, rec.size, rec.method)
+        stored = rec.method == zipfile.ZIP_STORED
+        copied = copy_range(src, self.f, rec.data_offset, rec.compressed_size, progress, crc=stored)
+        return copied if stored else None
+
+    def add_range(self, name: str, src: BinaryIO, offset: int, length: int, crc: int, progress: Progress | None = None) -> int:
+        """Store ``length`` bytes of ``src`` from ``offset`` under a CRC the caller knows; returns
+        the CRC-32 of the bytes as copied, for the caller to hold against ``crc``."""
         self._header(name.encode(), crc, length, length, zipfile.ZIP_STORED)
-        copy_range(src, self.f, offset, length, progress)
+        return copy_range(src, self.f, offset, length, progress, crc=True)
 
     def close(self) -> None:
         self.f.flush()
