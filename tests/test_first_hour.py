@@ -228,10 +228,31 @@ def test_rerunning_a_finished_run_says_how_to_train_on(tmp_path: Path) -> None:
     assert "note: this run already finished (1 epochs" in proc.stdout and "pass --epochs N with N > 1" in proc.stdout
 
 
+def _workers_started(pid: int) -> bool:
+    from tests.test_train import descendants
+
+    for child in descendants(pid):
+        try:
+            if b"ckptkit.train" in open(f"/proc/{child}/cmdline", "rb").read():
+                return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.mark.dist
-def test_a_signal_before_the_first_save_exits_130_in_one_line(tmp_path: Path) -> None:
-    proc = cli(tmp_path, "train", "--nproc", "2", "--out", "run", "--save-every", "0", start_new_session=True)
-    time.sleep(1.0)  # still starting: importing torch, or the workers are
+@pytest.mark.parametrize("when", ["while the launcher starts", "as the workers start", "while the workers set up"])
+def test_a_signal_before_the_first_save_exits_130_in_one_line(tmp_path: Path, when: str) -> None:
+    proc = cli(tmp_path, "train", "--nproc", "2", "--out", "run", "--save-every", "0", "--batch-size", "8",
+               start_new_session=True)  # fmt: skip
+    if when == "while the launcher starts":
+        time.sleep(0.5)  # importing torch
+    else:
+        deadline = time.monotonic() + 60
+        while not _workers_started(proc.pid):  # the moment a worker is still importing its modules
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.005)
+        time.sleep(0 if when == "as the workers start" else 1.0)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

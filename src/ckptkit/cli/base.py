@@ -19,7 +19,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 BIG = 64 << 20  # show a progress bar for files from this size, on a terminal
 
 
-class _Stopped(BaseException):
+class Stopped(BaseException):
     """A termination signal, raised where the command is so that its cleanup runs."""
 
     def __init__(self, signum: int) -> None:
@@ -28,7 +28,7 @@ class _Stopped(BaseException):
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
-    raise _Stopped(signum)
+    raise Stopped(signum)
 
 
 @contextlib.contextmanager
@@ -78,9 +78,9 @@ def handle_errors(fn: F | None = None, *, trouble: int = 1, stopped: tuple[str, 
             code = 2 if isinstance(e, ArgumentError) else trouble
             kind = type(e).__name__
             fail(str(e) if isinstance(e, CkptkitError) else f"{kind}: {e}", code, as_json=as_json, kind=kind)
-        except (KeyboardInterrupt, _Stopped) as e:
-            name = signal.Signals(e.signum).name if isinstance(e, _Stopped) else "SIGINT"
-            what, code = stopped or ("nothing was written", 128 + (e.signum if isinstance(e, _Stopped) else signal.SIGINT))
+        except (KeyboardInterrupt, Stopped) as e:
+            name = signal.Signals(e.signum).name if isinstance(e, Stopped) else "SIGINT"
+            what, code = stopped or ("nothing was written", 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT))
             fail(f"stopped by {name}; {what}", code, as_json=as_json, kind=name)
 
     return wrapper

@@ -1,11 +1,12 @@
 """``ckptkit train``: check the options, then run the reference trainer under torchrun's agent.
 
 torchrun's agent runs in this process, so this command sees what torchrun would otherwise
-print as a traceback: a signal (Ctrl-C, a scheduler's SIGTERM, a closed terminal) reaches the
-agent, which passes it to the workers (each in its own session, so they get it once); they
-stop together at the next step and save. The command then says, in one line, where the run
-stopped and exits 0, or 130 when nothing could be saved. Options are checked before a worker
-starts: a typo costs one line and creates nothing.
+print as a traceback. A signal (Ctrl-C, a scheduler's SIGTERM, a closed terminal) stops the
+agent here, and the agent, shutting down, sends the workers SIGTERM (each worker is in its own
+session, so it gets nothing else): they stop together at the next step and save, while a worker
+still starting up just ends (SIGTERM, unlike SIGINT, leaves no traceback from an import). The
+command then says, in one line, where the run stopped and exits 0, or 130 when nothing could be
+saved. Options are checked before a worker starts: a typo costs one line and creates nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import click
 from ckptkit.errors import CkptkitError
 from ckptkit.train import build_parser, check_environment, parse_args
 
-from .base import fail, handle_errors, main
+from .base import Stopped, fail, handle_errors, main
 
 
 class _TrainCommand(click.Command):
@@ -75,14 +76,20 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint] + (["--rdzv-id", rdzv_id] if rdzv_id else [])
     if nnodes == "1" and not (master_addr or rdzv_endpoint):
         launcher.append("--standalone")  # one node: a free port, no address to configure
-    _run_torchrun([*launcher, "--module", "ckptkit.train", *trainer_args], Path(cfg.out))
+    _run_torchrun(launcher, list(trainer_args), Path(cfg.out))
 
 
-def _run_torchrun(argv: list[str], out: Path) -> None:
+def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    parser = get_args_parser()
+    if any("--signals-to-handle" in a.option_strings for a in parser._actions):
+        # The agent would pass SIGINT on to the workers, and a worker still importing Python
+        # modules dies of it with a traceback. Left to this process, they raise here instead,
+        # and the agent's shutdown sends SIGTERM.
+        launcher = [*launcher, "--signals-to-handle", "SIGQUIT"]
     # The trainer logs what matters; the agent's warnings ("Received SIGINT death signal...",
     # the OMP_NUM_THREADS banner) would only repeat it. torch sets each logger's level itself.
     for name in list(logging.root.manager.loggerDict):
@@ -91,9 +98,13 @@ def _run_torchrun(argv: list[str], out: Path) -> None:
     started = time.time()
     sys.stdout.flush()
     try:
-        run(get_args_parser().parse_args(argv))
+        run(parser.parse_args([*launcher, "--module", "ckptkit.train", *trainer_args]))
     except SignalException as e:
         _stopped(signal.Signals(e.sigval).name, out, started)
+    except KeyboardInterrupt:
+        _stopped("SIGINT", out, started)
+    except Stopped as e:
+        _stopped(signal.Signals(e.signum).name, out, started)
     except ChildFailedError as e:
         _failed(e)
 

@@ -67,6 +67,10 @@ def _control_group(timeout_s: float, channel: str = "main") -> Any:
         if group is not None:
             return group
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    # new_group can return on one rank before every other rank has connected. Rank 0 writing
+    # (and maybe dying) then would leave a slower rank stuck connecting to it, under the store's
+    # timeout, not ours: once every rank has passed this barrier, all their connections exist.
+    dist.barrier(group=group)
     _control_groups[(timeout_s, channel)] = (weakref.ref(world), weakref.ref(group))
     return group
 
