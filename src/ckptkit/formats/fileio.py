@@ -12,9 +12,8 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
@@ -152,34 +151,59 @@ def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, view
         return n, _crc32(os.pread(inp, n, at), value) if n > 0 else value
     whole, first = view
     with whole[at - first : at - first + step] as part:
-        job = _worker().submit(_crc32, part, value)  # on another core, while the kernel copies the same bytes
+        crc = _in_background(_crc32, part, value)  # on another core, while the kernel copies the same bytes
         try:
             n = os.copy_file_range(inp, out, step, at)
         finally:
-            stepped = _wait(job)  # the worker reads the mapping: it must finish before the mapping may close
+            stepped = crc()  # the thread reads the mapping: it must finish before the mapping may close
         if n == step:
             return n, stepped
         return n, _crc32(part[:n], value) if n > 0 else value  # a short copy: CRC what was copied
 
 
 _View = tuple[memoryview, int]
-_pool: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def _worker() -> ThreadPoolExecutor:
-    """The CRC thread, one per process (a forked child starts its own: the parent's is not in it)."""
-    global _pool
-    if _pool is None or _pool[0] != os.getpid():
-        _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="ckptkit-crc"))
-    return _pool[1]
+def _in_background(fn: Callable[..., int], *args: Any) -> Callable[[], int]:
+    """Start ``fn(*args)`` on its own daemon thread; returns the function that waits for its result.
 
+    A thread a step, not a pool: a signal landing while a pool starts its worker leaves a thread
+    the pool never registered, and interpreter exit then waits for it forever. A daemon thread
+    never holds up exit, and the waits below never leave while it may still read the caller's
+    buffer (a mapping the caller closes next).
+    """
+    box: dict[str, Any] = {}
 
-def _wait(job: Future[int]) -> int:
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # handed to the waiting thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="ckptkit-crc", daemon=True)
     try:
-        return job.result()
+        thread.start()
     except BaseException:
-        futures.wait([job])  # a signal arrived while waiting: still let the worker finish with the mapping
+        _settle(thread)
         raise
+
+    def wait() -> int:
+        try:
+            thread.join()
+        except BaseException:  # a signal while waiting: let the thread finish with the buffer first
+            _settle(thread)
+            raise
+        if "error" in box:
+            raise box["error"]
+        return int(box["value"])
+
+    return wait
+
+
+def _settle(thread: threading.Thread) -> None:
+    while thread.ident is not None and thread.is_alive():
+        with contextlib.suppress(BaseException):  # a CRC of one step takes milliseconds: wait it out
+            thread.join()
 
 
 @contextlib.contextmanager
@@ -208,16 +232,58 @@ def _mapped(fd: int, offset: int, length: int) -> Iterator[_View | None]:
         m.close()
 
 
+def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None) -> int:
+    """Write ``buf`` (any buffer) to ``dst``; returns its CRC-32, computed on the CRC thread
+    while each step is written, so a save pays for the write, not for the write and the CRC.
+
+    Example:
+        >>> import io
+        >>> hex(write_checked(io.BytesIO(), b"123456789"))
+        '0xcbf43926'
+    """
+    value = 0
+    with memoryview(buf) as whole, whole.cast("B") as data:
+        for at in range(0, len(data), _CHECKED_STEP):
+            with data[at : at + _CHECKED_STEP] as part:
+                crc = _in_background(_crc32, part, value)
+                try:
+                    dst.write(part)
+                finally:
+                    value = crc()  # the thread reads the buffer: it must finish before the view goes
+                if progress is not None:
+                    progress(len(part))
+    return value
+
+
 def crc_of_range(src: BinaryIO, offset: int, length: int, progress: Progress | None = None) -> int:
-    """CRC-32 of a byte range, read in bounded chunks (``progress(n)`` after each)."""
+    """CRC-32 of a byte range (``progress(n)`` after each step), read through a read-only mapping
+    where it is long enough (no copy into Python: verify runs at memory speed), else in bounded
+    chunks.
+
+    Example:
+        >>> import io, tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(b"xx123456789")
+        ...     hex(crc_of_range(f, 2, 9))
+        '0xcbf43926'
+    """
     crc = 0
+    with _mapped(src.fileno(), offset, length) as view:
+        if view is not None:
+            whole, first = view
+            for at in range(offset - first, offset - first + length, _CHECKED_STEP):
+                with whole[at : min(at + _CHECKED_STEP, offset - first + length)] as part:
+                    crc = _crc32(part, crc)
+                    if progress is not None:
+                        progress(len(part))
+            return crc
     src.seek(offset)
     left = length
     while left:
         chunk = src.read(min(8 << 20, left))  # small chunks: verify keeps little memory
         if not chunk:
             raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + length - left}")
-        crc = crc32(chunk, crc)
+        crc = _crc32(chunk, crc)
         left -= len(chunk)
         if progress is not None:
             progress(len(chunk))
