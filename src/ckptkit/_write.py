@@ -77,9 +77,16 @@ def write_to(f: BinaryIO, obj: Any, fmt: Format, dest: Path) -> None:
 def _torch_save(obj: Any, f: BinaryIO, dest: Path) -> None:
     import torch
 
+    from ._torchsave import FallBack, save_zip  # deferred: torch is imported only to save a torch file
+
     writer = _RecordingWriter(f)
     try:
-        torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like object
+        try:
+            save_zip(obj, writer)  # type: ignore[arg-type]  # a file-like object
+        except FallBack:
+            f.seek(0)
+            f.truncate()
+            torch.save(obj, writer)  # type: ignore[arg-type]
     except CkptkitError:
         raise
     except Exception as e:
@@ -112,3 +119,9 @@ class _RecordingWriter:
         except OSError as e:
             self.error = self.error or e
             raise
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def fileno(self) -> int:
+        return self._f.fileno()

@@ -11,7 +11,6 @@ byte is written, and the caller falls back to torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections import OrderedDict
@@ -294,16 +293,13 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
     for name, payload in ((f"{prefix}data.pkl", data), (f"{prefix}.format_version", b"1"),
                           (f"{prefix}.storage_alignment", b"64"), (f"{prefix}byteorder", b"little")):  # fmt: skip
         w.add_bytes(name, payload)
-    digest = hashlib.sha1(data)
     damage = _damage(src)
     for i, ref in enumerate(ranges):
         # A zip record's CRC-32 precedes its bytes: the recorded one if the source has it, else
         # one read first; either way the bytes are CRC'd again as copied, and must agree.
         crc = ref.crc if ref.crc is not None else crc_of_range(src.file, ref.start, ref.length)
-        digest.update(crc.to_bytes(4, "little"))
         damage.check(ref, crc, w.add_range(f"{prefix}data/{i}", src.file, ref.start, ref.length, crc, progress))
     damage.raise_if_any()
-    w.add_bytes(f"{prefix}version", b"3\n")
-    w.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
+    w.finish_torch_archive(prefix)
     w.close()
     return sum(r.length for r in ranges)

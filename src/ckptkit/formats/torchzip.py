@@ -9,16 +9,17 @@ with their CRC-32s, kernel-side (``copy_file_range``), never through Python memo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
-from .fileio import Progress, copy_range, crc32
+from .fileio import Progress, copy_range, crc32, write_checked
 from .zipcheck import CENTRAL as _CENTRAL
 from .zipcheck import LOCAL as _LOCAL
 from .zipcheck import check_like_torch
@@ -191,6 +192,29 @@ class ZipWriter:
     def add_bytes(self, name: str, data: bytes) -> None:
         self._header(name.encode(), crc32(data), len(data), len(data), zipfile.ZIP_STORED)
         self.f.write(data)
+
+    def add_buffer(self, name: str, buf: Any, progress: Progress | None = None) -> int:
+        """Store a buffer's bytes (a tensor's storage, not copied into Python); returns its CRC-32.
+
+        The CRC is computed while the bytes are written (fileio.write_checked), then patched into
+        the local header written before them: one pass over the data.
+        """
+        size = memoryview(buf).nbytes
+        self._header(name.encode(), 0, size, size, zipfile.ZIP_STORED)
+        crc = write_checked(self.f, buf, progress)
+        name_b, _, csize, size_, method, offset = self.entries[-1]
+        self.entries[-1] = (name_b, crc, csize, size_, method, offset)
+        self.f.flush()  # the header must be on the file before its CRC field is patched there
+        os.pwrite(self.f.fileno(), struct.pack("<I", crc), offset + 14)  # the local header's CRC-32 field
+        return crc
+
+    def finish_torch_archive(self, prefix: str) -> None:
+        """torch's closing records: ``version`` and an id derived from every record written."""
+        digest = hashlib.sha1()
+        for name, crc, *_ in self.entries:
+            digest.update(name + crc.to_bytes(4, "little"))
+        self.add_bytes(f"{prefix}version", b"3\n")
+        self.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
 
     def add_copy(self, name: str, src: BinaryIO, rec: Record, progress: Progress | None = None) -> int | None:
         """Copy a record's bytes from another zip, keeping its CRC and compression as they were.
