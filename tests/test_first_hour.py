@@ -253,11 +253,16 @@ def test_a_signal_before_the_first_save_exits_130_in_one_line(tmp_path: Path, wh
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.005)
         time.sleep(0 if when == "as the workers start" else 1.0)
+    from tests.test_train import descendants
+
+    workers = descendants(proc.pid)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert len(lines(err)) == 1 and "stopped by SIGINT; nothing was saved" in err, err
     assert not list(tmp_path.glob("run/checkpoints/step_*"))
+    alive = [p for p in workers if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive, f"workers left running: {alive}"
 
 
 # -- 10. small things ------------------------------------------------------------------------

@@ -11,19 +11,21 @@ saved. Options are checked before a worker starts: a typo costs one line and cre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
-from ckptkit.errors import CkptkitError
 from ckptkit.train import build_parser, check_environment, parse_args
 
-from .base import Stopped, fail, handle_errors, main
+from .base import Stopped, handle_errors, main
 
 
 class _TrainCommand(click.Command):
@@ -76,10 +78,10 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint] + (["--rdzv-id", rdzv_id] if rdzv_id else [])
     if nnodes == "1" and not (master_addr or rdzv_endpoint):
         launcher.append("--standalone")  # one node: a free port, no address to configure
-    _run_torchrun(launcher, list(trainer_args), Path(cfg.out))
+    _run_torchrun(launcher, list(trainer_args), Path(cfg.out), shutdown_timeout)
 
 
-def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path) -> None:
+def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path, shutdown_timeout: int) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -98,35 +100,86 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path) -> No
     started = time.time()
     sys.stdout.flush()
     try:
-        run(parser.parse_args([*launcher, "--module", "ckptkit.train", *trainer_args]))
-    except SignalException as e:
-        _stopped(signal.Signals(e.sigval).name, out, started)
-    except KeyboardInterrupt:
-        _stopped("SIGINT", out, started)
-    except Stopped as e:
-        _stopped(signal.Signals(e.signum).name, out, started)
-    except ChildFailedError as e:
-        _failed(e)
+        try:
+            run(parser.parse_args([*launcher, "--module", "ckptkit.train", *trainer_args]))
+            code, message = 0, None
+        except SignalException as e:
+            code, message = _stopped(signal.Signals(e.sigval).name, out, started)
+        except KeyboardInterrupt:
+            code, message = _stopped("SIGINT", out, started)
+        except Stopped as e:
+            code, message = _stopped(signal.Signals(e.signum).name, out, started)
+        except ChildFailedError as e:
+            code, message = _failed(e)
+    finally:
+        _end_workers(shutdown_timeout)
+    # An agent interrupted while it started the workers can leave this interpreter unable to
+    # finish its own exit (seen: the main thread stuck in finalization after the last line).
+    # Its work is done and the workers are gone: leave at once.
+    if message is not None:
+        click.echo(message, err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
-def _stopped(name: str, out: Path, started: float) -> None:
+def _stopped(name: str, out: Path, started: float) -> tuple[int, str]:
     end = _last_end(out, started)
     if end is not None and end.get("status") == "preempted":
         checkpoint = out / "checkpoints" / f"step_{end['step']:09d}.pt"
-        click.echo(f"ckptkit: stopped by {name} at step {end['step']}; saved {checkpoint}; run the same command to resume", err=True)
-        sys.exit(0)
-    fail(f"stopped by {name}; nothing was saved (the run had not reached its first save)", 130)
+        return 0, f"ckptkit: stopped by {name} at step {end['step']}; saved {checkpoint}; run the same command to resume"
+    return 130, f"ckptkit: error: stopped by {name}; nothing was saved (the run had not reached its first save)"
 
 
-def _failed(e: CkptkitError | Exception) -> None:
+def _failed(e: Exception) -> tuple[int, str | None]:
     failures = getattr(e, "failures", {}) or {}
     # 1 and 2: the trainer said why in one line (or Python printed the traceback of a bug).
     died = {rank: f.exitcode for rank, f in failures.items() if f.exitcode not in (1, 2)}
     if not died:
-        sys.exit(1)
+        return 1, None
     rank, code = min(died.items())
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
-    fail(f"training failed: rank {rank} {how}", 1)
+    return 1, f"ckptkit: error: training failed: rank {rank} {how}"
+
+
+def _end_workers(timeout: float) -> None:
+    """SIGTERM, then after ``timeout`` SIGKILL, any worker the agent left running.
+
+    The agent stops its workers when it shuts down, but not those it was still starting when a
+    signal interrupted it: they would wait for their peers forever.
+    """
+    left = _children()
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _children()
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children() -> list[int]:
+    """This process's live children (zombies reaped), from /proc; none where /proc is missing."""
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) != me:
+            continue
+        if fields[0] == "Z":
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry), os.WNOHANG)
+            continue
+        found.append(int(entry))
+    return found
 
 
 def _last_end(out: Path, since: float) -> dict | None:
