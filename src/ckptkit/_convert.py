@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ._layout import find_model_state, is_state_dict, replace_at
-from ._safety import AllowGlobals
+from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
 from ._write import format_for, write_to
 from .errors import ArgumentError, spell, summarize
+from .formats import modulepickle as mp
 from .formats import rewrite as fp
 from .formats.atomic import atomic_write
 from .formats.detect import SAFETENSORS, ZIP, Format, check_exists, detect_format
@@ -51,6 +52,8 @@ class ConvertReport:
         fast: True when torch was never imported (names rewritten, tensor bytes copied).
         fallback_reason: why the torch path was used, when it was.
         bytes: size of the written file.
+        pickled_module: for a whole pickled module (``torch.save(model, ...)``), its class, e.g.
+            ``DataParallel(ToyCNN)``: its ``state_dict()`` was read without running the pickle.
     """
 
     source: str
@@ -68,6 +71,7 @@ class ConvertReport:
     fast: bool = True
     fallback_reason: str = ""
     bytes: int = 0
+    pickled_module: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,9 +162,15 @@ def convert_checkpoint(
         try:
             view = fp.open_source(source, in_fmt)
             try:
-                return job.run(view.obj, fp.is_leaf, lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
+                report = job.run(view.obj, fp.is_leaf, lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
+                report.pickled_module = view.module
+                return report
             finally:
                 view.close()
+        except mp.UnsafeModulePickle as e:
+            if not allow_globals:
+                raise unsafe_error(str(source), e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK) from None
+            reason = "pickled module with allowed globals: loaded with torch"
         except UnsupportedGlobal as e:
             reason = f"{e.name} is not modelled by the fast path: loaded with torch"
         except fp.NeedsTorch as e:

@@ -18,6 +18,7 @@ from typing import Any
 from ._layout import find_model_state
 from ._safety import AllowGlobals, filter_unsafe
 from .errors import CheckpointFormatError, LayoutError
+from .formats import modulepickle as mp
 from .formats import rewrite as fp
 from .formats import torchpickle as tp
 from .formats.detect import SAFETENSORS, ZIP, check_exists, detect_format
@@ -54,6 +55,7 @@ class CheckpointSummary:
     needs_trust: list[str] = field(default_factory=list)
     loaded_with_torch: bool = False
     trusted: bool = False
+    pickled_module: str = ""  # a whole pickled module's class: the tensors are its state_dict()
 
     @property
     def numel(self) -> int:
@@ -132,7 +134,7 @@ def _describe(value: Any, is_tensor: Any) -> tuple[str, str]:
 _Info = Callable[[str, Any], tuple[TensorInfo, Any, int]]  # (info, storage identity, storage bytes)
 
 
-def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any]]:
+def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any], str]:
     src = fp.open_source(path, fmt)
     src.close()  # the names, shapes and offsets are read; no tensor bytes are needed
 
@@ -146,10 +148,10 @@ def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any]]:
         return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), t.storage.key, tp.storage_nbytes(t.storage)
 
     meta: dict[str, Any] = dict(src.metadata or {})
-    return src.obj, fp.is_leaf, info, meta
+    return src.obj, fp.is_leaf, info, meta, src.module
 
 
-def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any]]:
+def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any], str]:
     import torch
 
     from ._read import read_checkpoint  # deferred: the torch-free path above needs no torch
@@ -161,7 +163,7 @@ def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[A
         size = t.numel() * t.element_size()
         return TensorInfo(name, list(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), size), storage.data_ptr(), storage.nbytes()
 
-    return obj, lambda v: isinstance(v, torch.Tensor), info, {}
+    return obj, lambda v: isinstance(v, torch.Tensor), info, {}, ""
 
 
 def inspect_checkpoint(
@@ -185,6 +187,12 @@ def inspect_checkpoint(
     if fmt in (ZIP, SAFETENSORS) and not trust:
         try:
             loaded = _fast(p, fmt)
+        except mp.UnsafeModulePickle as e:
+            summary.needs_trust, summary.pickled_module = filter_unsafe(e.names, allow_globals), e.description
+            if summary.needs_trust:
+                return summary
+        except fp.NeedsTorch:
+            pass  # a pickled module whose state_dict() needs its code: torch's loader says what it needs
         except tp.UnsupportedGlobal:
             unsafe = filter_unsafe(checkpoint_globals(p), allow_globals)
             if unsafe:
@@ -194,7 +202,7 @@ def inspect_checkpoint(
     if loaded is None:
         loaded = _with_torch(p, trust, allow_globals)
         summary.loaded_with_torch, summary.trusted = True, trust
-    obj, is_tensor, info, meta = loaded
+    obj, is_tensor, info, meta, summary.pickled_module = loaded
     summary.metadata = meta
     try:
         where, state = find_model_state(obj, key=key, is_tensor=is_tensor, source=str(p))

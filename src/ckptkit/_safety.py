@@ -86,11 +86,17 @@ def needs_text(unsafe: Sequence[str], *, beyond: str = "torch's weights-only all
     return f"names {summarize(list(unsafe))}, beyond {beyond}: loading it needs {_options(unsafe)}"
 
 
-def unsafe_error(source: str, unsafe: Sequence[str], *, where: str = "", plain_pickle: bool = False) -> UnsafeCheckpointError:
+MODULE_WALK = "what reading a pickled module's state_dict() needs"
+
+
+def unsafe_error(
+    source: str, unsafe: Sequence[str], *, where: str = "", plain_pickle: bool = False, beyond: str | None = None
+) -> UnsafeCheckpointError:
     """The refusal for a file whose pickle needs ``unsafe`` globals, with both ways out.
 
     ``plain_pickle``: torch would read it with ``pickle.load`` (DCP's ``.metadata``), not its
-    weights-only unpickler.
+    weights-only unpickler. ``beyond``: what the globals are outside of, if not that allowlist
+    (:data:`MODULE_WALK` for a pickled module).
     """
     trust = spell("trust=True", "--trust")
     if not unsafe:
@@ -98,7 +104,8 @@ def unsafe_error(source: str, unsafe: Sequence[str], *, where: str = "", plain_p
             f"{source}: refused to load{where}: it needs globals outside torch's weights-only allowlist. "
             f"Unpickling them could run arbitrary code; if you trust this file, pass {trust}"
         )
-    beyond = "DCP's own metadata classes (torch reads them with plain pickle)" if plain_pickle else "torch's weights-only allowlist"
+    if beyond is None:
+        beyond = "DCP's own metadata classes (torch reads them with plain pickle)" if plain_pickle else "torch's weights-only allowlist"
     return UnsafeCheckpointError(
         f"{source}: refused to load{where}: it needs {len(unsafe)} global(s) beyond {beyond}: "
         f"{summarize(list(unsafe))}. Unpickling them could run arbitrary code. If you trust this file, "

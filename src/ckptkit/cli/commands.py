@@ -47,6 +47,9 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
     if as_json:
         emit_json(report.to_dict())
         return
+    if report.pickled_module:
+        click.echo(f"note: {src} holds a pickled {report.pickled_module} module; its state_dict() was read without running the pickle",
+                   err=True)  # fmt: skip
     if report.fallback_reason:
         click.echo(f"note: {report.fallback_reason}", err=True)
     if report.dropped:

@@ -66,6 +66,12 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
 
     out = _stdout()
     out.print(f"[bold]{s.path}[/]  {s.format}  {human_bytes(s.file_bytes)}")
+    if s.needs_trust and s.pickled_module:
+        out.print(
+            f"[red]not loaded:[/] a pickled {s.pickled_module} module whose pickle calls or names {', '.join(s.needs_trust)}, "
+            "beyond what its state_dict() needs, which could run code under torch.load. Pass --trust if you trust the file."
+        )
+        return
     if s.needs_trust:
         allow = " ".join(f"--allow-global {g}" for g in s.needs_trust)
         out.print(
@@ -73,6 +79,8 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
             f"allowlist, which could run code. Admit just these with {allow}, or pass --trust if you trust the file."
         )
         return
+    if s.pickled_module:
+        out.print(f"A pickled {s.pickled_module} module: its state_dict() was read without running the pickle")
     if s.loaded_with_torch:
         out.print("[dim](loaded with torch, trusted: weights_only=False)[/]" if s.trusted else "[dim](loaded with torch, weights-only)[/]")
     if s.entries:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
+from . import modulepickle as mp
 from . import torchpickle as tp
 from .bounds import storage_problem, tensor_problems, tensors_in
 from .detect import SAFETENSORS, ZIP
@@ -74,13 +75,22 @@ def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> 
         if why is not None:
             problems.append(why)
 
+    data = z.read(f"{z.prefix}data.pkl")
     try:
-        obj = tp.loads(z.read(f"{z.prefix}data.pkl"), on_storage=fits)
+        obj, safe = tp.loads(data, on_storage=fits), "only tensors, containers and plain values"
     except tp.UnsupportedGlobal:
-        if problems:  # what was read before the global already shows damage
-            checks.append(Check("storages fit their records", "integrity", False, summarize(problems, 3)))
-        return checks, True
-    checks.append(Check("safe to load", "safety", True, "only tensors, containers and plain values"))
+        try:
+            problems.clear()  # read again from the start
+            module = mp.read_module(data, on_storage=fits)
+            obj, safe = module.state, f"a pickled {module.description} module: its state_dict() is read without running the pickle"
+        except mp.UnsafeModulePickle as e:
+            detail = f"a pickled {e.description} module that calls or names {summarize(e.names)}, beyond what its state_dict() needs"
+            return [*checks, Check("safe to load", "safety", False, detail, tuple(e.names))], False
+        except (mp.NotAModule, mp.Unmodelled):
+            if problems:  # what was read before the global already shows damage
+                checks.append(Check("storages fit their records", "integrity", False, summarize(problems, 3)))
+            return checks, True
+    checks.append(Check("safe to load", "safety", True, safe))
     problems += tensor_problems(obj, z)
     detail = summarize(problems, 3) if problems else "all in bounds"
     checks.append(Check("tensors fit their storages", "integrity", not problems, detail))

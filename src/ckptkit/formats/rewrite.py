@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ArgumentError, CheckpointFormatError, summarize
+from . import modulepickle as mp
 from . import torchpickle as lp
 from .bounds import check_tensors
 from .detect import SAFETENSORS, ZIP
@@ -70,6 +71,7 @@ class Source:
     zip: TorchZip | None = None
     metadata: dict[str, str] | None = None
     data_start: int = 0
+    module: str = ""  # a whole pickled module's class (``DataParallel(ToyCNN)``): obj is its state_dict()
 
     def close(self) -> None:
         self.file.close()
@@ -94,9 +96,19 @@ def open_source(path: Path, fmt: str) -> Source:
 def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
     if fmt == ZIP:
         z = TorchZip(path, file=f)
-        pickled = lp.loads(z.read(f"{z.prefix}data.pkl"))
+        data, name = z.read(f"{z.prefix}data.pkl"), ""
+        try:
+            pickled = lp.loads(data)
+        except lp.UnsupportedGlobal as e:
+            try:  # a whole pickled module (torch.save(model)): its state_dict(), nothing run
+                module = mp.read_module(data)  # or UnsafeModulePickle, for the caller to refuse
+            except mp.NotAModule:
+                raise e from None
+            except mp.Unmodelled as why:
+                raise NeedsTorch(f"pickled module: {why}") from None
+            pickled, name = module.state, module.description
         check_tensors(pickled, z, str(path))  # storages are copied as they are: refuse broken views now
-        return Source(path, fmt, pickled, f, zip=z)
+        return Source(path, fmt, pickled, f, zip=z, module=name)
     # SAFETENSORS (open_source admits no other format)
     header, start = read_header(f, source=str(path))
     meta = dict(header.pop("__metadata__", None) or {})

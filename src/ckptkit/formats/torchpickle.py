@@ -30,7 +30,7 @@ from .dtypes import BY_NAME, BY_STORAGE
 
 TENSOR_BUILDERS = frozenset({"_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 PARAM_BUILDERS = frozenset({"_rebuild_parameter", "_rebuild_parameter_with_state"})
-_REAL = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
+REAL_GLOBALS = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
 
 
 class UnsupportedGlobal(CheckpointFormatError):
@@ -201,7 +201,8 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, (TensorRef, ParamRef))
 
 
-def _allowed(module: str, name: str) -> bool:
+def allowed_global(module: str, name: str) -> bool:
+    """A torch name the stand-ins model: tensor and parameter builders, storages, dtypes, Size, device."""
     if module == "torch._utils":
         return name in TENSOR_BUILDERS or name in PARAM_BUILDERS
     if module == "torch":
@@ -209,6 +210,13 @@ def _allowed(module: str, name: str) -> bool:
     if module == "torch.storage":
         return name == "UntypedStorage"
     return module == "_codecs" and name == "encode"  # protocol 2 spells bytes as _codecs.encode(str, "latin1")
+
+
+def python3_name(module: str, name: str, protocol: int) -> tuple[str, str]:
+    """A global as Python 3 resolves it: protocol 2 spells ``builtins.set`` as ``__builtin__.set``."""
+    if protocol < 3:
+        return _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
+    return module, name
 
 
 class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
@@ -226,12 +234,11 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     dispatch.update(dict.fromkeys((op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers))  # type: ignore[arg-type]
 
     def find_class(self, module: str, name: str) -> Any:
-        if self.proto < 3:  # type: ignore[attr-defined]  # protocol 2 spells builtins.set as __builtin__.set, as pickle maps back
-            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
-        real = _REAL.get((module, name))
+        module, name = python3_name(module, name, self.proto)  # type: ignore[attr-defined]
+        real = REAL_GLOBALS.get((module, name))
         if real is not None:
             return real
-        if not _allowed(module, name):
+        if not allowed_global(module, name):
             raise UnsupportedGlobal(f"{module}.{name}")
         return self._globals.setdefault((module, name), Global(module, name))
 
