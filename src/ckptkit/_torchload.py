@@ -56,8 +56,8 @@ def torch_load(
         pinned = f"/proc/self/fd/{f.fileno()}"
         target = pinned if os.path.exists(pinned) else source
         try:
-            if trust and fmt != LEGACY and _holds_module(TorchZip(source, file=f)):
-                return _module_state(source, target, kwargs, trust=True, allowed=allowed)
+            if trust and fmt != LEGACY and _holds_module(source, TorchZip(source, file=f), trust=True, allowed=allowed):
+                return load_pickled_module(target, map_location=map_location, mmap=kwargs.get("mmap", False), trust=True).state
             with torch.serialization.safe_globals(allowed) if allowed else contextlib.nullcontext():
                 obj = torch.load(target, **kwargs)
             # A trusted module the inert walk cannot model (state-dict hooks): its own state_dict().
@@ -67,35 +67,37 @@ def torch_load(
         except MemoryError:
             raise  # reads are bounded above: this is not the file's doing
         except Exception as e:
-            if isinstance(e, pickle.UnpicklingError) and not trust and fmt != LEGACY:
-                try:  # a whole pickled module: its state_dict(), nothing run
-                    return _module_state(source, target, kwargs, trust=False, allowed=allowed)
-                except mp.NotAModule:
-                    pass
-                except (CkptkitError, MemoryError):
-                    raise
-                except Exception as again:
-                    raise _explain(again, source, target, fmt, f, trust=trust, allowed=allowed) from again
+            if not (isinstance(e, pickle.UnpicklingError) and not trust and fmt != LEGACY):
+                raise _explain(e, source, target, fmt, f, trust=trust, allowed=allowed) from e
+            if not _holds_module(source, TorchZip(source, file=f), trust=False, allowed=allowed):
+                raise _explain(e, source, target, fmt, f, trust=trust, allowed=allowed) from e
+        try:  # a whole pickled module, found safe to read above: its state_dict(), nothing run
+            names = [global_name(g) for g in allowed]
+            return load_pickled_module(target, map_location=map_location, mmap=kwargs.get("mmap", False), allow=names).state
+        except (CkptkitError, MemoryError):
+            raise
+        except Exception as e:
             raise _explain(e, source, target, fmt, f, trust=trust, allowed=allowed) from e
 
 
-def _holds_module(z: TorchZip) -> bool:
-    """Whether a trusted zip pickles a whole module the inert walk models (read without torch)."""
-    try:
-        mp.read_module(z.read(f"{z.prefix}data.pkl"), trust=True)
-    except (mp.NotAModule, mp.Unmodelled, CheckpointFormatError):
-        return False
-    return True
+def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) -> bool:
+    """Whether the zip pickles a whole module that the inert walk models (read without torch).
 
-
-def _module_state(source: str, target: str, kwargs: dict[str, Any], *, trust: bool, allowed: list[Any]) -> Any:
+    Raises:
+        UnsafeCheckpointError: a module pickle that calls or names other globals (unless
+            ``trust`` or ``allowed``), or whose state_dict() needs its own code (unless ``trust``).
+    """
     try:
-        return load_pickled_module(target, map_location=kwargs["map_location"], mmap=kwargs.get("mmap", False), trust=trust,
-                                   allow=[global_name(g) for g in allowed]).state  # fmt: skip
+        mp.read_module(z.read(f"{z.prefix}data.pkl"), trust=trust, allow=[global_name(g) for g in allowed])
+    except (mp.NotAModule, CheckpointFormatError):
+        return False  # torch's loader reads it, and says what is wrong
     except mp.UnsafeModulePickle as e:
         raise unsafe_error(source, e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK) from None
     except mp.Unmodelled as e:
+        if trust:
+            return False  # torch's loader builds the real module, and its state_dict() runs its code
         raise unmodelled_error(source, str(e)) from None
+    return True
 
 
 def _reason(e: BaseException) -> str:

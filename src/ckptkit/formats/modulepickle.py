@@ -138,6 +138,8 @@ class ModuleUnpickler(tp._Unpickler):
             self._refused.append(f"a call of {type(func).__name__} {func!r:.60}")
             return tp.Call(tp.Global("?", "?"), args)
         if name not in self._stand_ins:
+            if not isinstance(func, tp.Global) and any(isinstance(a, (tp.Call, tp.Global, Instance)) for a in args):
+                return tp.Call(tp.Global(*name.rsplit(".", 1)), args)  # a real builder is never handed a stand-in
             return func(*args)  # torch's rebuilders, OrderedDict, set, torch.device: real or stand-in
         if name == _RECONSTRUCTOR and len(args) == 3 and self._names.get(id(args[1])) == _OBJECT:
             self._used.update((name, _OBJECT))
@@ -217,7 +219,7 @@ def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[s
         attrs = module.attrs
         for hooks in ("_state_dict_hooks", "_state_dict_pre_hooks"):
             if attrs.get(hooks):
-                raise Unmodelled(f"{where} ({module.cls.name}) registers {hooks[1:]}, which state_dict() would run")
+                raise Unmodelled(f"{where} ({module.cls.name}) has {len(attrs[hooks])} {hooks}, which state_dict() would run")
         for name, value in attrs["_parameters"].items():
             if value is not None:
                 out[prefix + name] = leaf(prefix + name, value)
