@@ -233,6 +233,7 @@ def test_what_failed_before_now_converts(name: str, tmp_path: Path) -> None:
         code, _, err = run("convert", PICKLED / f"{name}.pt", out, *extra)
         assert code == 0, err
         assert "damaged" not in err and "not a state dict" not in err
+        assert f"holds a pickled {DESCRIPTIONS[name]} module; its state_dict() was read without running the pickle" in err
         assert_exactly(torch.load(out, weights_only=True), plain_keys(expected(name)))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ._layout import find_model_state, is_state_dict, replace_at
+from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
 from ._write import format_for, write_to
 from .errors import ArgumentError, spell, summarize
@@ -184,6 +185,8 @@ def convert_checkpoint(
     check_recorded_crcs(source, in_fmt, progress=report_progress)
     report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
     report.fast, report.fallback_reason = False, reason
+    if trust and in_fmt == ZIP:  # read by the same inert walk (_torchload), if it is a whole module
+        report.pickled_module = pickled_module_name(source)
     return report
 
 

@@ -14,13 +14,17 @@ Example:
 from __future__ import annotations
 
 import importlib
+import os
 import types
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._devices import MapLocation
-from .errors import UnsafeCheckpointError, spell
+from .errors import CkptkitError, UnsafeCheckpointError, spell
 from .formats import modulepickle as mp
+from .formats.torchzip import TorchZip
+
+if TYPE_CHECKING:  # _devices imports torch; this module is also reached from convert's torch-free path
+    from ._devices import MapLocation
 
 
 def _detached(key: str, value: Any) -> Any:
@@ -54,6 +58,16 @@ def load_pickled_module(
     inert.Unpickler = unpickler  # type: ignore[attr-defined]
     root = torch.load(path, map_location=map_location, pickle_module=inert, weights_only=False, mmap=mmap)
     return mp.PickledModule(mp.state_dict(root, _detached), mp.describe(root))
+
+
+def pickled_module_name(path: str | os.PathLike[str]) -> str:
+    """The class of the whole module a torch zip pickles, e.g. ``DataParallel(ToyCNN)``; ``""``
+    if it pickles something else, or a module whose state_dict() needs its own code."""
+    try:
+        with TorchZip(path) as z:
+            return mp.read_module(z.read(f"{z.prefix}data.pkl"), trust=True).description
+    except (mp.NotAModule, mp.Unmodelled, CkptkitError):
+        return ""
 
 
 def unmodelled_error(source: str, reason: str) -> UnsafeCheckpointError:
