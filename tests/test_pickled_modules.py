@@ -106,7 +106,7 @@ def test_read_checkpoint_gives_exactly_the_state_dict(name: str, trust: bool) ->
 @pytest.mark.parametrize("name", NAMES)
 def test_load_for_rank_into_a_plain_model(name: str) -> None:
     model = PlainGone() if name == "gone" else PlainCNN()
-    ckptkit.load_for_rank(PICKLED / f"{name}.pt", model=model, map_location="cpu")
+    ckptkit.load_for_rank(PICKLED / f"{name}.pt", model=model, map_location="cpu", verify=True)
     assert_exactly(model.state_dict(), plain_keys(expected(name)))
     if name != "gone":
         assert torch.equal(model.scratch, torch.zeros(3))  # not in the file: left as the model had it
@@ -154,6 +154,21 @@ def test_every_pickle_protocol_torch_writes(protocol: int, tmp_path: Path) -> No
     model = nn.DataParallel(PlainCNN())
     torch.save(model, tmp_path / "m.pt", pickle_protocol=protocol)
     assert_exactly(ckptkit.read_checkpoint(tmp_path / "m.pt", map_location="cpu"), model.state_dict())
+
+
+def test_tied_weights_stay_tied(tmp_path: Path) -> None:
+    from fixtures.models import TiedLM
+
+    model = TiedLM()
+    torch.save(nn.DataParallel(model), tmp_path / "tied.pt")
+    got = ckptkit.read_checkpoint(tmp_path / "tied.pt", map_location="cpu")
+    assert_exactly(got, nn.DataParallel(model).state_dict())
+    assert got["module.head.weight"].data_ptr() == got["module.embed.weight"].data_ptr()
+    code, _, err = run("convert", tmp_path / "tied.pt", tmp_path / "tied.safetensors")
+    assert code == 0 and "head.weight is embed.weight" in err  # stored once, re-tied on load
+    plain = TiedLM()
+    ckptkit.load_for_rank(tmp_path / "tied.safetensors", model=plain)
+    assert_exactly(plain.state_dict(), model.state_dict())
 
 
 class _System:

@@ -6,6 +6,9 @@ would only warn about (TorchScript) are refused by name. When torch fails, the
 error says what happened: the pickle needs globals the caller did not allow, a class cannot be
 imported, it needs a process group, the device does not exist, or the file is damaged, which
 ckptkit says only after its own checks have found the damage.
+
+A zip that pickles a whole module (``torch.save(model, path)``) is read as its ``state_dict()``
+by the inert walk of :mod:`._pickled`, trusted or not: nothing in it is imported or run.
 """
 
 from __future__ import annotations

@@ -194,22 +194,33 @@ class ModuleUnpickler(tp._Unpickler):
 
 def describe(module: Instance) -> str:
     """``ToyCNN``, or ``DistributedDataParallel(ToyCNN)`` for a wrapper around one."""
-    inner = WRAPPERS.get(module.cls.name)
-    child = module.attrs.get("_modules", {}).get(inner) if inner else None
-    return f"{module.cls.name}({describe(child)})" if isinstance(child, Instance) and is_module(child) else module.cls.name
+    names: list[str] = []
+    node: Any = module
+    while isinstance(node, Instance) and is_module(node) and len(names) < 8:
+        names.append(node.cls.name)
+        inner = WRAPPERS.get(node.cls.name)
+        node = node.attrs["_modules"].get(inner) if inner else None
+    return "(".join(names) + ")" * (len(names) - 1)
 
 
 def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[str, Any]:
     """``root.state_dict()`` computed from the pickled attributes; ``leaf(key, value)`` gives each tensor.
+
+    Iterative, in ``nn.Module.state_dict()``'s order (a module's entries, then each child's in
+    turn), so no nesting depth makes it fail where the pickle itself loaded.
 
     Raises:
         Unmodelled: state-dict hooks, or a child that is not a pickled module.
         CheckpointFormatError: a module that contains itself.
     """
     out: OrderedDict[str, Any] = OrderedDict()
-    active: set[int] = set()
-
-    def walk(module: Any, prefix: str) -> None:
+    active: set[int] = set()  # the modules on the path from the root: a cycle comes back to one
+    todo: list[tuple[Any, str | None]] = [(root, "")]  # (module, prefix), or (module, None): leaving it
+    while todo:
+        module, prefix = todo.pop()
+        if prefix is None:
+            active.discard(id(module))
+            continue
         where = prefix.rstrip(".") or "the top-level module"
         if not is_module(module):
             raise Unmodelled(f"{where} is a {type(module).__name__}, not a pickled module")
@@ -227,12 +238,8 @@ def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[s
         for name, value in attrs["_buffers"].items():
             if value is not None and name not in skip:
                 out[prefix + name] = leaf(prefix + name, value)
-        for name, child in attrs["_modules"].items():
-            if child is not None:
-                walk(child, f"{prefix}{name}.")
-        active.discard(id(module))
-
-    walk(root, "")
+        todo.append((module, None))
+        todo += [(child, f"{prefix}{name}.") for name, child in reversed(attrs["_modules"].items()) if child is not None]
     return out
 
 
@@ -249,9 +256,10 @@ def read_module(
     """A pickled module's ``state_dict()`` as :class:`~torchpickle.TensorRef` leaves, without torch.
 
     Example:
-        >>> read_module(pickle.dumps({"w": 1}, protocol=2))  # doctest: +SKIP
+        >>> read_module(pickle.dumps({"w": 1}, protocol=2))
         Traceback (most recent call last):
-        NotAModule: the pickle holds a dict
+        ...
+        ckptkit.formats.modulepickle.NotAModule: the pickle holds a dict
 
     Raises:
         NotAModule, UnsafeModulePickle (unless ``trust``; ``allow``: names admitted), Unmodelled,
@@ -261,8 +269,8 @@ def read_module(
     unpickler.trust, unpickler.allow = trust, frozenset(allow)
     try:
         root = unpickler.load()
+        return PickledModule(state_dict(root, _tensor_ref), describe(root))
     except CheckpointFormatError:
         raise
-    except PICKLE_ERRORS as e:
+    except PICKLE_ERRORS as e:  # RecursionError included: a hostile nesting depth
         raise CheckpointFormatError(f"malformed pickle: {type(e).__name__}: {e}") from e
-    return PickledModule(state_dict(root, _tensor_ref), describe(root))

@@ -106,6 +106,8 @@ def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
                 raise e from None
             except mp.Unmodelled as why:
                 raise NeedsTorch(f"pickled module: {why}") from None
+            except CheckpointFormatError as why:
+                raise CheckpointFormatError(f"{path}: pickled module: {why}") from None
             pickled, name = module.state, module.description
         check_tensors(pickled, z, str(path))  # storages are copied as they are: refuse broken views now
         return Source(path, fmt, pickled, f, zip=z, module=name)
