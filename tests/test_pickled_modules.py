@@ -171,6 +171,30 @@ def test_tied_weights_stay_tied(tmp_path: Path) -> None:
     assert_exactly(plain.state_dict(), model.state_dict())
 
 
+def test_any_depth_and_no_cycle(tmp_path: Path) -> None:
+    deep: nn.Module = nn.Linear(1, 1)
+    for _ in range(1500):
+        deep = nn.Sequential(deep)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # pickling the model recurses; torch's own state_dict() does too
+    try:
+        torch.save(deep, tmp_path / "deep.pt")
+        want = deep.state_dict()
+    finally:
+        sys.setrecursionlimit(limit)
+    assert_exactly(ckptkit.read_checkpoint(tmp_path / "deep.pt", map_location="cpu"), want)
+    code, _, err = run("convert", tmp_path / "deep.pt", tmp_path / "deep.safetensors")
+    assert code == 0, err
+    assert_exactly(load_file(tmp_path / "deep.safetensors"), want, ordered=False)
+
+    cyclic = nn.Sequential(nn.Linear(1, 1))
+    cyclic.add_module("again", cyclic)  # state_dict() would never end
+    torch.save(cyclic, tmp_path / "cyclic.pt")
+    code, _, err = run("convert", tmp_path / "cyclic.pt", tmp_path / "out.pt")
+    assert code == 1 and err.strip() == f"ckptkit: error: {tmp_path / 'cyclic.pt'}: pickled module: module again contains itself"
+    assert not (tmp_path / "out.pt").exists()
+
+
 class _System:
     """Unpickling this runs ``touch MARKER`` through os.system: observable, and harmless."""
 

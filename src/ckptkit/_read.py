@@ -24,7 +24,9 @@ def read_checkpoint(
     """Load a torch zip or legacy file, a safetensors file or a DCP folder (no model involved).
 
     Not a collective: each rank reads the file itself. Safe by default: pickles load with
-    ``weights_only=True``.
+    ``weights_only=True``. A whole pickled module (``torch.save(model, path)``, DDP/DataParallel/
+    torch.compile wrapped or not) gives its ``state_dict()``, read without importing its classes
+    or running anything.
 
     Args:
         path: the checkpoint.
