@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 import subprocess
 import sys
+import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -193,6 +197,27 @@ def test_any_depth_and_no_cycle(tmp_path: Path) -> None:
     code, _, err = run("convert", tmp_path / "cyclic.pt", tmp_path / "out.pt")
     assert code == 1 and err.strip() == f"ckptkit: error: {tmp_path / 'cyclic.pt'}: pickled module: module again contains itself"
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_storage_declared_larger_than_its_record_is_refused_before_torch_allocates_it(tmp_path: Path) -> None:
+    data = (PICKLED / "plain.pt").read_bytes()
+    first = re.search(rb"X\x03\x00\x00\x00cpuq.K\x03", data, flags=re.S)  # ('storage', ..., 'cpu', 3): scratch
+    assert first is not None
+    with zipfile.ZipFile(PICKLED / "plain.pt") as z:
+        info = z.getinfo("plain/data.pkl")
+        pickled = z.read(info)
+    flipped = data[: first.end() - 1] + b"\xff" + data[first.end() :]  # 255 floats: 1020 bytes, record 12
+    at = flipped.index(pickled[:16], info.header_offset)
+    old_crc, new_crc = struct.pack("<I", info.CRC), struct.pack("<I", zlib.crc32(flipped[at : at + len(pickled)]))
+    assert flipped.count(old_crc) == 2  # local header and central directory: the CRCs stay right
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(flipped.replace(old_crc, new_crc))
+    checks = {c.name: c for c in ckptkit.verify_checkpoint(bad).checks}  # every CRC right, a size no record holds
+    assert checks["CRC-32 of every record"].ok and not checks["tensors fit their storages"].ok
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"bad\.pt: storage 0 declares 1020 bytes but its record holds 12"):
+        ckptkit.read_checkpoint(bad, trust=True)
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"storage 0 declares 1020 bytes"):
+        ckptkit.read_checkpoint(bad)
 
 
 class _System:

@@ -31,10 +31,11 @@ from .errors import (
     summarize,
 )
 from .formats import modulepickle as mp
-from .formats.bounds import check_storage_bounds
+from .formats.bounds import check_storage_bounds, storage_problem
 from .formats.detect import LEGACY, Format
 from .formats.integrity import zip_checks
 from .formats.scan import checkpoint_globals
+from .formats.torchpickle import StorageRef
 from .formats.torchzip import TorchZip
 
 
@@ -89,18 +90,30 @@ def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) 
     Raises:
         UnsafeCheckpointError: a module pickle that calls or names other globals (unless
             ``trust`` or ``allowed``), or whose state_dict() needs its own code (unless ``trust``).
+        CheckpointFormatError: a module pickle declaring a storage larger than its record (the
+            bounds check stops at the first class, and torch allocates each storage as declared).
     """
+    problems: list[str] = []
+
+    def fits(ref: StorageRef) -> None:
+        why = storage_problem(ref, z)
+        if why is not None:
+            problems.append(why)
+
     try:
-        mp.read_module(z.read(f"{z.prefix}data.pkl"), trust=trust, allow=[global_name(g) for g in allowed])
+        mp.read_module(z.read(f"{z.prefix}data.pkl"), trust=trust, allow=[global_name(g) for g in allowed], on_storage=fits)
+        modelled = True
     except (mp.NotAModule, CheckpointFormatError):
         return False  # torch's loader reads it, and says what is wrong
     except mp.UnsafeModulePickle as e:
         raise unsafe_error(source, e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK) from None
     except mp.Unmodelled as e:
-        if trust:
-            return False  # torch's loader builds the real module, and its state_dict() runs its code
-        raise unmodelled_error(source, str(e)) from None
-    return True
+        if not trust:
+            raise unmodelled_error(source, str(e)) from None
+        modelled = False  # torch's loader builds the real module, and its state_dict() runs its code
+    if problems:
+        raise CheckpointFormatError(f"{source}: {summarize(problems, 2)}")
+    return modelled
 
 
 def _reason(e: BaseException) -> str:
