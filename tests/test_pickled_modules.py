@@ -272,6 +272,13 @@ def test_a_hook_function_is_a_global_kept_as_a_value_and_refused(tmp_path: Path)
     assert_exactly(ckptkit.read_checkpoint(tmp_path / "hooked.pt", allow_globals=["builtins.print"]), model.state_dict())
 
 
+def test_torch_functions_kept_as_attributes_are_fine(tmp_path: Path) -> None:
+    model = PlainCNN()
+    model.act = torch.nn.functional.gelu  # as activation modules keep it: imported by torch.load, never called
+    torch.save(model, tmp_path / "act.pt")
+    assert_exactly(ckptkit.read_checkpoint(tmp_path / "act.pt"), model.state_dict())
+
+
 def _add_marker_entry(module: nn.Module, state: dict[str, torch.Tensor], prefix: str, local_metadata: dict) -> None:
     state[prefix + "from_hook"] = torch.tensor(1.0)
 

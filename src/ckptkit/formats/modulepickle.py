@@ -15,7 +15,8 @@ What a module pickle may call (``REDUCE``) is closed: torch's tensor and paramet
 ``OrderedDict``, ``set``, ``torch.device``... (:func:`torchpickle.allowed_global`), the
 torch.compile wrapper and its context (:data:`BUILT_BY_CALL`), ``getattr`` of a stand-in (a bound
 method in that context). Any other call, or a global used as a value rather than as a class to
-build (a hook function, ``os.system`` stored away), is listed by :class:`UnsafeModulePickle`
+build (a hook function, ``os.system`` stored away; torch's own names excepted, as an activation
+function kept as an attribute), is listed by :class:`UnsafeModulePickle`
 unless the caller trusts the file. Nothing is run either way; the refusal says what the pickle
 would run under ``torch.load``.
 
@@ -185,7 +186,9 @@ class ModuleUnpickler(tp._Unpickler):
         root = super().load()
         if not is_module(root):
             raise NotAModule(f"the pickle holds a {getattr(getattr(root, 'cls', None), 'name', type(root).__name__)}")
-        unused = [n for n in self._stand_ins if n not in self._used and n not in HARMLESS_VALUES]
+        # A global kept as a value is imported by torch.load, never called: torch's own names
+        # (an activation function as an attribute) are torch's code; any other is refused.
+        unused = [n for n in self._stand_ins if n not in self._used and n not in HARMLESS_VALUES and not n.startswith("torch.")]
         unsafe = [n for n in dict.fromkeys(self._refused + unused) if n not in self.allow]
         if unsafe and not self.trust:
             raise UnsafeModulePickle(unsafe, describe(root))
