@@ -17,6 +17,7 @@ import zipfile
 import zlib
 from collections import OrderedDict
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -218,6 +219,17 @@ def test_a_storage_declared_larger_than_its_record_is_refused_before_torch_alloc
         ckptkit.read_checkpoint(bad, trust=True)
     with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"storage 0 declares 1020 bytes"):
         ckptkit.read_checkpoint(bad)
+
+
+def test_a_module_saved_on_a_gpu_opens_on_the_cpu(tmp_path: Path) -> None:
+    model = nn.DataParallel(PlainCNN())
+    with mock.patch("torch.serialization.location_tag", lambda storage: "cuda:0"):  # as a GPU run writes it
+        torch.save(model, tmp_path / "gpu.pt")
+    assert b"cuda:0" in (tmp_path / "gpu.pt").read_bytes()
+    got = ckptkit.read_checkpoint(tmp_path / "gpu.pt", map_location=None if torch.cuda.is_available() else "cpu")
+    assert_exactly({k: v.cpu() for k, v in got.items()}, model.state_dict())
+    if not torch.cuda.is_available():
+        assert {v.device.type for v in ckptkit.read_checkpoint(tmp_path / "gpu.pt").values()} == {"cpu"}
 
 
 class _System:
