@@ -193,6 +193,18 @@ class _Job:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
+        if path and path[-1].endswith("."):  # key="student.": part of the weights
+            if not self.model_only:
+                raise ArgumentError(
+                    f"{spell(f'key={self.key!r}', f'--key {self.key}')} selects part of {self.source}'s weights; "
+                    f"add {spell('model_only=True', '--model-only')} to write that part alone, or rename it in place "
+                    f"with {spell(f'strip=[{path[-1]!r}]', f'--strip {path[-1]}')}"
+                )
+            node = obj
+            for part in path[:-1]:
+                node = node[part]
+            rest = sum(1 for k in node if not str(k).startswith(path[-1]))
+            others = (others if len(path) > 1 else []) + [f"{rest} weight(s) outside {path[-1]}"] * bool(rest)
         if self.out_fmt == SAFETENSORS and others and not self.model_only:
             raise ArgumentError(
                 f"{self.source} holds {summarize(others)} besides the weights, and safetensors stores tensors only; "
