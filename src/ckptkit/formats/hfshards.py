@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArgumentError, CheckpointFormatError, spell, summarize
-from .detect import HF_INDEXES
+from .detect import HF_INDEXES, HF_SINGLE
+from .safetensors import read_header
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"  # huggingface_hub's SAFETENSORS_WEIGHTS_FILE_PATTERN
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's MAX_SHARD_SIZE
@@ -36,11 +37,14 @@ HF_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{
 @dataclass
 class HfIndex:
     """A parsed index: ``path`` (the .index.json), ``weight_map`` (tensor -> shard file name),
-    ``metadata`` (``total_size`` and whatever else the writer put there)."""
+    ``metadata`` (``total_size`` and whatever else the writer put there). ``single``: no index, one
+    file (``path``) as huggingface_hub writes a model that fits one shard; its weight map is
+    what the file holds (filled by :func:`check_shard_keys` for a pickle)."""
 
     path: Path
     weight_map: dict[str, str]
     metadata: dict[str, Any]
+    single: bool = False
 
     @property
     def folder(self) -> Path:
@@ -49,7 +53,7 @@ class HfIndex:
     @property
     def shards(self) -> list[str]:
         """Shard file names, in the order the index first names them."""
-        return list(dict.fromkeys(self.weight_map.values()))
+        return [self.path.name] if self.single else list(dict.fromkeys(self.weight_map.values()))
 
     def tied(self) -> dict[str, str]:
         """``{dropped name: kept name}`` for tied tensors stored once (huggingface_hub's metadata entries
@@ -58,7 +62,7 @@ class HfIndex:
 
     def total_bytes(self) -> int:
         """The index's and every shard's size on disk (missing shards count 0)."""
-        paths = [self.path, *(self.folder / s for s in self.shards)]
+        paths = {self.path, *(self.folder / s for s in self.shards)}
         return sum(p.stat().st_size for p in paths if p.is_file())
 
 
@@ -66,7 +70,7 @@ def index_path(path: str | Path) -> Path:
     """The index of a Hugging Face checkpoint given as its folder or as the index file itself."""
     p = Path(path)
     if p.is_dir():
-        for name in HF_INDEXES:
+        for name in (*HF_INDEXES, *HF_SINGLE):
             if (p / name).is_file():
                 return p / name
         raise CheckpointFormatError(f"{p}: holds no {' or '.join(HF_INDEXES)}")
@@ -81,6 +85,8 @@ def read_index(path: str | Path) -> HfIndex:
         CheckpointFormatError: naming the index and what is wrong with it.
     """
     p = index_path(path)
+    if p.name in HF_SINGLE:
+        return _single(p)
     size = p.stat().st_size
     if size > MAX_INDEX_BYTES:
         raise CheckpointFormatError(f"{p}: {size} bytes is too big for a Hugging Face index (at most {MAX_INDEX_BYTES})")
@@ -104,6 +110,17 @@ def read_index(path: str | Path) -> HfIndex:
     return index
 
 
+def _single(p: Path) -> HfIndex:
+    """The index of a folder holding one file: a safetensors header's names and metadata (where
+    huggingface_hub records tied tensors then), or nothing yet for a pickle."""
+    if p.suffix != ".safetensors":
+        return HfIndex(p, {}, {}, single=True)
+    with open(p, "rb") as f:
+        header, _ = read_header(f, source=str(p))
+    metadata = header.pop("__metadata__", None) or {}
+    return HfIndex(p, dict.fromkeys(header, p.name), metadata, single=True)
+
+
 def check_shard_keys(index: HfIndex, found: Mapping[str, Sequence[str]]) -> None:
     """Raise unless each shard holds exactly the tensors the index's ``weight_map`` puts in it.
 
@@ -114,6 +131,9 @@ def check_shard_keys(index: HfIndex, found: Mapping[str, Sequence[str]]) -> None
         >>> check_shard_keys(ix, {"s1": ["a"], "s2": ["b"]})  # agrees: nothing raised
     """
     where = {k: s for s, keys in found.items() for k in keys}
+    if index.single:  # no index to disagree with: the file holds what it holds
+        index.weight_map = {k: s for k, s in where.items() if k not in index.tied()}
+        return
     problems = []
     for key, shard in index.weight_map.items():
         if where.get(key) != shard:
