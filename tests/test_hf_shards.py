@@ -82,9 +82,9 @@ def test_one_shard_gets_a_note_naming_its_index(tmp_path: Path, kind: str) -> No
     assert f"note: {shard.name} is shard 2 of 3" in stderr and str(HF / kind / INDEX[kind]) in stderr
     code, stdout, _ = run("convert", shard, tmp_path / "two.pt", "--json")
     assert code == 0 and "holds 6 of the 9 tensors" in json.loads(stdout)["notes"][0]
-    for command in ("inspect", "verify"):
-        assert str(HF / kind / INDEX[kind]) in run(command, shard)[2]
-        assert str(HF / kind / INDEX[kind]) in json.loads(run(command, shard, "--json")[1])["notes"][0]
+    for command in (["inspect", shard], ["verify", shard], ["diff", shard, tmp_path / "one.pt"]):
+        assert str(HF / kind / INDEX[kind]) in run(*command)[2]
+        assert str(HF / kind / INDEX[kind]) in json.loads(run(*command, "--json")[1])["notes"][0]
     assert not run("inspect", HF / kind)[2]  # the whole checkpoint: no note
 
 
@@ -235,3 +235,20 @@ def test_a_leftover_temp_folder_of_a_dead_writer_is_removed(tmp_path: Path) -> N
     stale.rename(stale.with_name(stale.name.replace(f"-{os.getpid()}-", "-999999999-")))  # no such pid
     assert run("convert", FIXTURES / "ddp.pt", f"{tmp_path}/out/")[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_an_interrupted_folder_write_leaves_the_old_folder_or_nothing(tmp_path: Path, existing: bool, stop: type[BaseException]) -> None:
+    from ckptkit.formats.atomicdir import atomic_folder
+
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt if stop is KeyboardInterrupt else ckptkit.errors.CheckpointWriteError):
+        with atomic_folder(out) as tmp:
+            (tmp / "model-00001-of-00002.safetensors").write_bytes(b"half")
+            raise stop()
+    assert [p.name for p in tmp_path.iterdir()] == (["out"] if existing else [])
+    assert not existing or [p.read_bytes() for p in out.iterdir()] == [b"old"]

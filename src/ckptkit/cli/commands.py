@@ -118,6 +118,8 @@ def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str
     with progress_bar(a, b, threshold=BIG, enabled=not as_json) as progress:
         report = diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust,
                                   allow_globals=allow_global, progress=progress)  # fmt: skip
+    for note in [] if as_json else report.notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
         emit_json(report.to_dict())
     else:
