@@ -23,7 +23,9 @@ from ._write import format_for, write_to
 from .errors import ArgumentError, spell, summarize
 from .formats import rewrite as fp
 from .formats.atomic import atomic_write
-from .formats.detect import SAFETENSORS, ZIP, Format, check_exists, detect_format
+from .formats.detect import HF, SAFETENSORS, ZIP, Format, check_exists, detect_format
+from .formats.hfshards import DEFAULT_MAX_SHARD_SIZE, parse_size, read_index, shard_note
+from .formats.hfwrite import check_destination, write_shards
 from .formats.integrity import check_recorded_crcs
 from .formats.safetensors import parse_aliases, read_header
 from .formats.torchpickle import UnsupportedGlobal
@@ -47,10 +49,13 @@ class ConvertReport:
         left: other entries that also hold wrapped weights (an EMA copy), left as they were;
             convert them with ``key=``.
         tied: for a safetensors output, ``"alias is target"`` for each tensor stored once and
-            re-tied on load (``safetensors.torch.load_model`` or ckptkit's loaders do that).
+            re-tied on load (``safetensors.torch.load_model`` or ckptkit's loaders do that); for
+            Hugging Face shards, each tied tensor the index metadata records instead.
         fast: True when torch was never imported (names rewritten, tensor bytes copied).
         fallback_reason: why the torch path was used, when it was.
-        bytes: size of the written file.
+        bytes: size of the written file (of every file, for a folder).
+        shards: for a Hugging Face sharded output, how many shard files.
+        notes: what the caller should know (the source is one shard of a sharded checkpoint).
     """
 
     source: str
@@ -68,14 +73,14 @@ class ConvertReport:
     fast: bool = True
     fallback_reason: str = ""
     bytes: int = 0
+    shards: int = 0
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> Format:
-    if dst.is_dir():
-        raise ArgumentError(f"{dst} is a folder; convert writes one file, so give its path, e.g. {dst / (src.stem + '.pt')}")
     fmt = format_for(dst, default=None)
     if dst.exists():
         if src.exists() and os.path.samefile(src, dst):
@@ -99,6 +104,7 @@ def convert_checkpoint(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     weights_only: bool | None = None,
+    max_shard_size: int | str | None = None,
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -114,9 +120,12 @@ def convert_checkpoint(
     writers record no CRC-32s, so there is nothing to check their bytes against.
 
     Args:
-        src: torch zip or legacy file, safetensors file, or DCP folder.
+        src: torch zip or legacy file, safetensors file, DCP folder, or Hugging Face shards (their
+            folder or ``*.index.json``).
         dst: output path; ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
-            zip (suffixes in any case).
+            zip (suffixes in any case). A path ending in ``/``, an existing folder, or any
+            ``max_shard_size`` writes a folder of Hugging Face safetensors shards instead, as
+            ``huggingface_hub.save_torch_state_dict`` does; it appears complete or not at all.
         to: ``"single"`` (remove ``module.``/``_orig_mod.``), ``"ddp"`` (then add ``module.``)
             or ``"keep"``; see :func:`ckptkit.prefix.rewrite_prefixes`.
         strip: further prefixes to remove (e.g. Lightning's ``"model."``).
@@ -129,6 +138,8 @@ def convert_checkpoint(
         force: replace an existing ``dst``.
         progress: called as ``progress(bytes_done_now, bytes_total)`` while copying.
         weights_only: the former name of ``model_only`` (deprecated).
+        max_shard_size: for a folder output, the shard size limit: bytes, or ``"5GB"``/``"500MB"``
+            (decimal units, as huggingface_hub's; default ``"5GB"``).
 
     Returns:
         A :class:`ConvertReport`.
@@ -148,16 +159,22 @@ def convert_checkpoint(
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     source, dest = Path(src), Path(dst)
     check_exists(source)
-    out_fmt = _check_paths(source, dest, force)
+    folder = max_shard_size is not None or os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir()
+    limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
+    if folder:
+        check_destination(source, dest, force=force)
+    out_fmt = HF if folder else _check_paths(source, dest, force)
     in_fmt = detect_format(source)
     job = _Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
-    total = source.stat().st_size if source.is_file() else 0
+    total = read_index(source).total_bytes() if in_fmt == HF else source.stat().st_size if source.is_file() else 0
     report_progress = (lambda n: progress(n, total)) if progress else None
     reason = "trusted file: loaded with torch" if trust else ""
-    if not trust and in_fmt in (ZIP, SAFETENSORS):
+    if not trust and in_fmt in (ZIP, SAFETENSORS, HF):
         try:
             view = fp.open_source(source, in_fmt)
             try:
+                if out_fmt == HF:
+                    return job.run(view.obj, fp.is_leaf, lambda _, obj, sd: write_shards(dest, view, sd, max_shard_size=limit, progress=report_progress))
                 return job.run(view.obj, fp.is_leaf, lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
             finally:
                 view.close()
@@ -172,7 +189,12 @@ def convert_checkpoint(
     obj = read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt, progress=report_progress)
-    report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
+    if out_fmt == HF:
+        from ._hfsave import save_shards  # deferred with torch, as above
+
+        report = job.run(obj, None, lambda _, obj, state: save_shards(state, dest, max_shard_size=limit))
+    else:
+        report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
     report.fast, report.fallback_reason = False, reason
     return report
 
@@ -189,7 +211,7 @@ class _Job:
     model_only: bool
     key: str | None
 
-    def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], None]) -> ConvertReport:
+    def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
@@ -205,14 +227,18 @@ class _Job:
                 node = node[part]
             rest = sum(1 for k in node if not str(k).startswith(path[-1]))
             others = (others if len(path) > 1 else []) + [f"{rest} weight(s) outside {path[-1]}"] * bool(rest)
-        if self.out_fmt == SAFETENSORS and others and not self.model_only:
+        if self.out_fmt in (SAFETENSORS, HF) and others and not self.model_only:
             raise ArgumentError(
                 f"{self.source} holds {summarize(others)} besides the weights, and safetensors stores tensors only; "
                 f"pass {spell('model_only=True', '--model-only')} to write just the model weights"
             )
         out = new_state if self.model_only else replace_at(obj, path, new_state)
-        with atomic_write(self.dest) as f:
-            write(f, out, new_state)
+        written = None
+        if self.out_fmt == HF:  # a folder: its writer owns the temp folder and the swap
+            written = write(None, out, new_state)
+        else:
+            with atomic_write(self.dest) as f:
+                write(f, out, new_state)
         before, after = renamed_prefixes(list(state), list(new_state))
         return ConvertReport(
             source=str(self.source),
@@ -226,8 +252,10 @@ class _Job:
             prefix_after=after,
             dropped=others if self.model_only else [],
             left=[] if self.model_only else _other_wrapped_weights(obj, path, is_tensor),
-            tied=_tied(self.dest) if self.out_fmt == SAFETENSORS else [],
-            bytes=self.dest.stat().st_size,
+            tied=_tied(self.dest) if self.out_fmt == SAFETENSORS else [f"{a} is {b}" for a, b in written.tied.items()] if written else [],
+            bytes=sum(f.stat().st_size for f in self.dest.iterdir()) if written else self.dest.stat().st_size,
+            shards=len(written.files) if written else 0,
+            notes=[note] if self.source.is_file() and (note := shard_note(self.source)) else [],
         )
 
 

@@ -20,8 +20,9 @@ from ._safety import AllowGlobals, filter_unsafe
 from .errors import CheckpointFormatError, LayoutError
 from .formats import rewrite as fp
 from .formats import torchpickle as tp
-from .formats.detect import SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.detect import HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.dtypes import BY_SAFETENSORS
+from .formats.hfshards import read_index, shard_note
 from .formats.scan import checkpoint_globals
 from .prefix import detect_prefixes
 
@@ -54,6 +55,7 @@ class CheckpointSummary:
     needs_trust: list[str] = field(default_factory=list)
     loaded_with_torch: bool = False
     trusted: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -143,7 +145,8 @@ def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any]]:
         t = tp.tensor_of(ref)
         if t is None:
             raise CheckpointFormatError(f"{path}: entry {name} is not a tensor")
-        return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), t.storage.key, tp.storage_nbytes(t.storage)
+        storage = (id(src.part(ref)), t.storage.key)  # keys repeat across shards
+        return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), storage, tp.storage_nbytes(t.storage)
 
     meta: dict[str, Any] = dict(src.metadata or {})
     return src.obj, fp.is_leaf, info, meta
@@ -180,13 +183,16 @@ def inspect_checkpoint(
     """
     p = check_exists(path)
     fmt = detect_format(p)
-    summary = CheckpointSummary(str(p), fmt, p.stat().st_size if p.is_file() else _folder_size(p))
+    size = read_index(p).total_bytes() if fmt == HF else p.stat().st_size if p.is_file() else _folder_size(p)
+    summary = CheckpointSummary(str(p), fmt, size)
+    summary.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     loaded = None
-    if fmt in (ZIP, SAFETENSORS) and not trust:
+    if fmt in (ZIP, SAFETENSORS, HF) and not trust:
         try:
             loaded = _fast(p, fmt)
         except tp.UnsupportedGlobal:
-            unsafe = filter_unsafe(checkpoint_globals(p), allow_globals)
+            # A shard's globals: torch's weights-only load below says which it needs.
+            unsafe = filter_unsafe(checkpoint_globals(p), allow_globals) if fmt != HF else []
             if unsafe:
                 # Describe what we can without running anything: the globals it needs.
                 summary.needs_trust = unsafe
