@@ -1,8 +1,9 @@
 """``ckptkit convert``: rename wrapper prefixes, optionally change format, never lose data.
 
-The fast path (torch zip and safetensors) never imports torch: it rewrites names and copies
-tensor bytes as they are, checking each against the CRC-32 the source records for it. Everything
-else (legacy files, DCP folders, files that need ``trust``, layouts the fast path does not model)
+The fast path (torch zip, safetensors, and DCP folders whose chunks are contiguous pieces of
+their tensors, as FSDP2's) never imports torch: it rewrites names and copies tensor bytes as they
+are, checking each against the CRC-32 the source records for it. Everything else (legacy files,
+DCP chunks split along another dimension, files that need ``trust``, layouts the fast path does not model)
 goes through torch, with the same renaming rules and the same write path; a torch zip or
 safetensors source has its recorded CRC-32s checked before anything is written (torch checks none).
 """
@@ -21,9 +22,10 @@ from ._layout import find_model_state, is_state_dict, replace_at
 from ._safety import AllowGlobals
 from ._write import format_for, write_to
 from .errors import ArgumentError, spell, summarize
+from .formats import dcpstream as dcps
 from .formats import rewrite as fp
 from .formats.atomic import atomic_write
-from .formats.detect import SAFETENSORS, ZIP, Format, check_exists, detect_format
+from .formats.detect import DCP, SAFETENSORS, ZIP, Format, check_exists, detect_format
 from .formats.integrity import check_recorded_crcs
 from .formats.safetensors import parse_aliases, read_header
 from .formats.torchpickle import UnsupportedGlobal
@@ -108,10 +110,12 @@ def convert_checkpoint(
     replaces ``src``.
 
     Every tensor byte is checked against the CRC-32 the source records for it (a torch zip's
-    records; ckptkit's per-tensor CRC-32s in safetensors it wrote) as it is copied, so a damaged
-    source fails with :class:`~ckptkit.errors.CheckpointFormatError` naming each damaged tensor,
-    and ``dst`` is not written. Legacy files, DCP folders and safetensors files from other
-    writers record no CRC-32s, so there is nothing to check their bytes against.
+    records; ckptkit's per-tensor CRC-32s in safetensors it wrote; each DCP chunk's zip record) as
+    it is copied, so a damaged source fails with :class:`~ckptkit.errors.CheckpointFormatError`
+    naming each damaged tensor, and ``dst`` is not written. Legacy files and safetensors files from
+    other writers record no CRC-32s, so there is nothing to check their bytes against. A DCP
+    folder is copied chunk by chunk, in little memory at any size, unless its chunks are split
+    along a dimension other than the first (then torch loads it whole; ``fallback_reason`` says why).
 
     Args:
         src: torch zip or legacy file, safetensors file, or DCP folder.
@@ -151,14 +155,14 @@ def convert_checkpoint(
     out_fmt = _check_paths(source, dest, force)
     in_fmt = detect_format(source)
     job = _Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
-    total = source.stat().st_size if source.is_file() else 0
+    total = source.stat().st_size if source.is_file() else sum(p.stat().st_size for p in source.glob("*.distcp"))
     report_progress = (lambda n: progress(n, total)) if progress else None
     reason = "trusted file: loaded with torch" if trust else ""
-    if not trust and in_fmt in (ZIP, SAFETENSORS):
+    if not trust and in_fmt in (ZIP, SAFETENSORS, DCP):
         try:
-            view = fp.open_source(source, in_fmt)
+            view = dcps.open_dcp(source) if in_fmt == DCP else fp.open_source(source, in_fmt)
             try:
-                return job.run(view.obj, fp.is_leaf, lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
+                return job.run(view.obj, _is_leaf(view), lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
             finally:
                 view.close()
         except UnsupportedGlobal as e:
@@ -264,8 +268,16 @@ def renamed_prefixes(before: Sequence[str], after: Sequence[str]) -> tuple[str, 
     return changes.most_common(1)[0][0]
 
 
+def _is_leaf(src: Any) -> Callable[[Any], bool]:
+    return dcps.is_leaf if isinstance(src, dcps.DcpSource) else fp.is_leaf
+
+
 def _fast_write(f: Any, src: Any, obj: Any, state: Any, in_fmt: str, out_fmt: str, progress: Any) -> None:
-    if out_fmt == SAFETENSORS:
+    if in_fmt == DCP and out_fmt == SAFETENSORS:  # tensors as pieces of .distcp files, copied in order
+        dcps.write_safetensors(f, src, state, progress)
+    elif in_fmt == DCP:
+        dcps.write_torch_zip(f, src, obj, progress)
+    elif out_fmt == SAFETENSORS:
         if in_fmt == SAFETENSORS:
             fp.rename_safetensors(f, src, state, progress)
         else:
