@@ -88,8 +88,10 @@ class _Stand:
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
-    def field(self, name: str) -> Any:
+    def field(self, name: str, *, optional: bool = False) -> Any:
         state = getattr(self, "state", None)
+        if isinstance(state, dict) and optional:
+            return state.get(name)  # pickled only when set (a bytes item's index has no offset)
         if not isinstance(state, dict) or name not in state:
             raise NeedsTorch(f".metadata's {self.global_name} has no field {name!r} this reader knows")
         return state[name]
@@ -137,7 +139,7 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
         if info.state.get("transform_descriptors"):
             raise NeedsTorch(f"{index.field('fqn')} is stored through transforms {info.state['transform_descriptors']}")
         where = Stored(_str(info.field("relative_path")), _int(info.field("offset")), _int(info.field("length")))
-        stored[(_str(index.field("fqn")), _ints(index.field("offset") or ()))] = where
+        stored[(_str(index.field("fqn")), _ints(index.field("offset", optional=True) or ()))] = where
     entries: dict[str, TensorEntry | BytesEntry] = {}
     for fqn, md in _mapping(meta.field("state_dict_metadata"), "state_dict_metadata").items():
         entries[_str(fqn)] = _entry(_str(fqn), md, stored)
