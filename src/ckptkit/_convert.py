@@ -75,10 +75,21 @@ class ConvertReport:
         return asdict(self)
 
 
-def _check_paths(src: Path, dst: Path, force: bool) -> Format:
-    if dst.is_dir():
-        raise ArgumentError(f"{dst} is a folder; convert writes one file, so give its path, e.g. {dst / (src.stem + '.pt')}")
-    fmt = format_for(dst, default=None)
+def _dcp_flag() -> str:
+    return spell('format="dcp"', "--format dcp")
+
+
+def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> Format:
+    if format not in (None, DCP):
+        raise ArgumentError(f"format must be 'dcp' or None (the format DST's suffix names), not {format!r}")
+    if format is None and dst.is_dir():
+        raise ArgumentError(
+            f"{dst} is a folder; convert writes one file, so give its path, e.g. {dst / (src.stem + '.pt')} "
+            f"(or write a DCP folder with {_dcp_flag()})"
+        )
+    if format == DCP and dst.exists() and not dst.is_dir():
+        raise ArgumentError(f"{dst} is a file; {_dcp_flag()} writes a folder, so give a folder path")
+    fmt = DCP if format == DCP else format_for(dst, default=None)
     if dst.exists():
         if src.exists() and os.path.samefile(src, dst):
             raise ArgumentError(f"{dst} is the source file; write the result to another path (SRC is never modified)")
@@ -101,6 +112,7 @@ def convert_checkpoint(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     weights_only: bool | None = None,
+    format: Literal["dcp"] | None = None,
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -133,6 +145,10 @@ def convert_checkpoint(
         force: replace an existing ``dst``.
         progress: called as ``progress(bytes_done_now, bytes_total)`` while copying.
         weights_only: the former name of ``model_only`` (deprecated).
+        format: ``"dcp"`` writes ``dst`` as a torch.distributed.checkpoint folder (through DCP's
+            own writer, after ckptkit's safe read of ``src``), which
+            ``torch.distributed.checkpoint.load`` reads into a plain or an FSDP2 model; the
+            folder appears complete or not at all. None: the format ``dst``'s suffix names.
 
     Returns:
         A :class:`ConvertReport`.
@@ -152,13 +168,13 @@ def convert_checkpoint(
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     source, dest = Path(src), Path(dst)
     check_exists(source)
-    out_fmt = _check_paths(source, dest, force)
+    out_fmt = _check_paths(source, dest, force, format)
     in_fmt = detect_format(source)
     job = _Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
     total = source.stat().st_size if source.is_file() else sum(p.stat().st_size for p in source.glob("*.distcp"))
     report_progress = (lambda n: progress(n, total)) if progress else None
-    reason = "trusted file: loaded with torch" if trust else ""
-    if not trust and in_fmt in (ZIP, SAFETENSORS, DCP):
+    reason = "trusted file: loaded with torch" if trust else "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
+    if not reason and in_fmt in (ZIP, SAFETENSORS, DCP):
         try:
             view = dcps.open_dcp(source) if in_fmt == DCP else fp.open_source(source, in_fmt)
             try:
@@ -176,7 +192,7 @@ def convert_checkpoint(
     obj = read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt, progress=report_progress)
-    report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
+    report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest), force)
     report.fast, report.fallback_reason = False, reason
     return report
 
@@ -193,7 +209,7 @@ class _Job:
     model_only: bool
     key: str | None
 
-    def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], None]) -> ConvertReport:
+    def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], None], force: bool = False) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
@@ -203,8 +219,14 @@ class _Job:
                 f"pass {spell('model_only=True', '--model-only')} to write just the model weights"
             )
         out = new_state if self.model_only else replace_at(obj, path, new_state)
-        with atomic_write(self.dest) as f:
-            write(f, out, new_state)
+        if self.out_fmt == DCP:
+            from ._dcpwrite import write_dcp  # deferred: torch is imported only when this path is taken
+
+            size = write_dcp(out, self.dest, replace=force)
+        else:
+            with atomic_write(self.dest) as f:
+                write(f, out, new_state)
+            size = self.dest.stat().st_size
         before, after = renamed_prefixes(list(state), list(new_state))
         return ConvertReport(
             source=str(self.source),
@@ -219,7 +241,7 @@ class _Job:
             dropped=others if self.model_only else [],
             left=[] if self.model_only else _other_wrapped_weights(obj, path, is_tensor),
             tied=_tied(self.dest) if self.out_fmt == SAFETENSORS else [],
-            bytes=self.dest.stat().st_size,
+            bytes=size,
         )
 
 

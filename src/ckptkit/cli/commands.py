@@ -31,11 +31,13 @@ ALLOW_GLOBAL = click.option(
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling of SRC. Only for files you trust.")
 @ALLOW_GLOBAL
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--format", "out_format", type=click.Choice(["dcp"]), default=None,
+              help="dcp: write DST as a torch.distributed.checkpoint folder (default: the format DST's suffix names).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tuple[str, ...], add: tuple[str, ...],
             model_only: bool, key: str | None, trust: bool, allow_global: tuple[str, ...], force: bool,
-            as_json: bool) -> None:  # fmt: skip
+            out_format: Literal["dcp"] | None, as_json: bool) -> None:  # fmt: skip
     """Rewrite SRC's weight names for another wrapping into DST (format by DST suffix).
 
     Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
@@ -43,7 +45,8 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
     """
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
         report = convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
-                                    trust=trust, allow_globals=allow_global, force=force, progress=progress)  # fmt: skip
+                                    trust=trust, allow_globals=allow_global, force=force, progress=progress,
+                                    format=out_format)  # fmt: skip
     if as_json:
         emit_json(report.to_dict())
         return

@@ -1,4 +1,4 @@
-"""Atomic, durable file replacement.
+"""Atomic, durable file (and folder) replacement.
 
 A crash at any moment leaves either the old file or the complete new one at the target path:
 data goes to a temp file in the same folder (same filesystem, so the rename is atomic), is
@@ -10,10 +10,12 @@ writer can remove the debris of a writer that was killed (kill -9 runs no cleanu
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import re
 import secrets
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,7 +59,10 @@ def remove_stale_temps(dest: Path) -> list[Path]:
         m = pattern.match(entry.name)
         if m and m["host"] == _HOST and not _pid_alive(int(m["pid"])):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):  # a folder output's (atomic_folder)
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
 
@@ -132,3 +137,69 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         fsync_dir(folder)
     except OSError as e:
         raise CheckpointWriteError(_describe(e, dest)) from e
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike[str], *, replace: bool = False) -> Iterator[Path]:
+    """A temp folder beside ``path`` that becomes ``path``, complete and durable, when the block
+    succeeds: every file in it is fsynced, then the folder, then it is renamed into place and the
+    parent fsynced. On any exception it is removed and ``path`` is left as it was.
+
+    ``replace``: an existing folder at ``path`` is swapped out atomically (``renameat2``'s
+    RENAME_EXCHANGE where the kernel has it; else renamed aside first) and then removed.
+
+    Example:
+        >>> with atomic_folder("out.dcp") as tmp:  # doctest: +SKIP
+        ...     (tmp / "data").write_bytes(payload)
+    """
+    dest = Path(path)
+    if not dest.parent.is_dir():
+        what = "is not a folder" if dest.parent.exists() else "does not exist"
+        raise CheckpointWriteError(f"cannot write {dest}: {dest.parent} {what}; create the folder first")
+    remove_stale_temps(dest)
+    tmp = _temp_path(dest)
+    try:
+        os.mkdir(tmp, 0o777)
+    except OSError as e:
+        raise CheckpointWriteError(_describe(e, dest)) from e
+    try:
+        yield tmp
+        for folder, _, files in os.walk(tmp):
+            for name in files:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(Path(folder))
+        if not (replace and dest.is_dir()):
+            if dest.exists() or dest.is_symlink():
+                raise CheckpointWriteError(f"cannot write {dest}: it exists" + ("" if replace else " (not replacing it)"))
+            os.rename(tmp, dest)
+        elif not _exchange(tmp, dest):
+            aside = _temp_path(dest)
+            os.rename(dest, aside)  # (killed now: the next writer's remove_stale_temps takes it)
+            os.rename(tmp, dest)
+            tmp = aside
+        fsync_dir(dest.parent)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
+            raise CheckpointWriteError(_describe(e, dest)) from e
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # the replaced folder, if there was one
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    err = ctypes.get_errno()
+    raise OSError(err, os.strerror(err), str(b))
