@@ -192,3 +192,19 @@ def test_renamed_like_any_convert(tmp_path: Path) -> None:
     expected = {k.removeprefix("module."): v for k, v in _nested_state()["model"].items()}  # type: ignore[attr-defined]
     _assert_same(got, expected)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(TMP_SUFFIX)]
+
+
+def test_inspect_reads_the_metadata_without_torch(fixtures_dir: Path) -> None:
+    script = (
+        "import json, sys\n"
+        "from ckptkit import inspect_checkpoint\n"
+        f"s = inspect_checkpoint({str(fixtures_dir / 'fsdp2_dcp')!r})\n"
+        "print(json.dumps([s.loaded_with_torch, [[t.name, t.shape, t.dtype, t.nbytes] for t in s.tensors][:2], len(s.tensors)]))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary, imported_torch = proc.stdout.splitlines()
+    assert json.loads(summary) == [False, [["embed.weight", [37, 8], "float32", 37 * 8 * 4], ["ln1.weight", [8], "float32", 32]], 16]
+    assert imported_torch == "False"
+    assert ckptkit.inspect_checkpoint(fixtures_dir / "fsdp2_dcp_dim1").loaded_with_torch  # split along dim 1: torch reads it

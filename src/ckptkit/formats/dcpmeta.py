@@ -130,6 +130,13 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
     """
     with open(Path(folder) / ".metadata", "rb") as f:
         meta = lp.loads(ClampedReader(f), unpickler=_Unpickler)  # type: ignore[arg-type]
+    try:
+        return _interpret(meta)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:  # DCP's classes, in a shape not modelled
+        raise NeedsTorch(f".metadata is laid out in a way this reader does not model ({type(e).__name__}: {e})") from e
+
+
+def _interpret(meta: Any) -> DcpMetadata:
     if not isinstance(meta, _Stand) or meta.global_name != _META + "Metadata":
         raise NeedsTorch(f".metadata holds a {type(meta).__name__}, not DCP's Metadata")
     stored: dict[tuple[str, tuple[int, ...]], Stored] = {}
