@@ -12,7 +12,7 @@ becomes the plain records below. A global outside those classes raises
 
 Example:
     >>> meta = read_metadata("fixtures/fsdp2_dcp")  # doctest: +SKIP
-    >>> meta.entries["embed.weight"].chunks[1].offsets
+    >>> meta.entries["embed.weight"].chunks[1].offsets  # doctest: +SKIP
     (19, 0)
 """
 
