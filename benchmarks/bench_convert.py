@@ -44,14 +44,19 @@ save_file({k.removeprefix("module."): v for k, v in sd.items()}, sys.argv[2])
 """
 
 
+def gpt_dims(gib: float) -> tuple[int, int, int, int]:
+    """``(d, vocab, ff, layers)`` of the GPT-like model whose fp32 weights are about ``gib`` GiB."""
+    d, vocab, ff = 1024, 32000, 4096
+    per_layer = 4 * d * d + 2 * d * ff + 4 * d + ff + 5 * d
+    return d, vocab, ff, max(1, round((gib * 2**30 / 4 - 2 * vocab * d) / per_layer))
+
+
 def make_checkpoint(folder: Path, gib: float) -> tuple[Path, Path]:
     """A GPT-like DDP state dict (module. keys, fp32) of about ``gib`` GiB, as .pt and .safetensors."""
     import torch
     from safetensors.torch import save_file
 
-    d, vocab, ff = 1024, 32000, 4096
-    per_layer = 4 * d * d + 2 * d * ff + 4 * d + ff + 5 * d
-    layers = max(1, round((gib * 2**30 / 4 - 2 * vocab * d) / per_layer))
+    d, vocab, ff, layers = gpt_dims(gib)
     g = torch.Generator().manual_seed(0)
     sd: dict[str, torch.Tensor] = {"module.embed.weight": torch.randn(vocab, d, generator=g)}
     for i in range(layers):

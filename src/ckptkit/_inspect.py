@@ -1,8 +1,10 @@
 """``ckptkit inspect``: what a checkpoint holds, read from its pickle or header alone.
 
 For torch zip and safetensors files nothing is loaded but the pickle or header (torch is not
-imported), so a multi-GB checkpoint is summarised in milliseconds. Legacy files and DCP folders
-are loaded with torch (weights-only).
+imported), so a multi-GB checkpoint is summarised in milliseconds; DCP folders likewise (their
+``.metadata`` and each chunk's zip header), unless the copy path would hand them to torch
+(chunks split along a dimension other than the first). Legacy files are loaded with torch
+(weights-only).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any
 from ._layout import find_model_state
 from ._safety import AllowGlobals, filter_unsafe
 from .errors import CheckpointFormatError, LayoutError
+from .formats import dcpstream as dcps
 from .formats import rewrite as fp
 from .formats import torchpickle as tp
-from .formats.detect import HF, SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.detect import DCP, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.dtypes import BY_SAFETENSORS
 from .formats.hfshards import read_index, shard_note
 from .formats.scan import checkpoint_globals
@@ -152,6 +155,16 @@ def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any]]:
     return src.obj, fp.is_leaf, info, meta
 
 
+def _fast_dcp(path: Path) -> tuple[Any, Any, _Info, dict[str, Any]]:
+    src = dcps.open_dcp(path)
+    src.close()  # shapes, dtypes and where the bytes are: enough to describe it
+
+    def info(name: str, t: dcps.DcpTensor) -> tuple[TensorInfo, Any, int]:
+        return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
+
+    return src.obj, dcps.is_leaf, info, {}
+
+
 def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any]]:
     import torch
 
@@ -187,7 +200,12 @@ def inspect_checkpoint(
     summary = CheckpointSummary(str(p), fmt, size)
     summary.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     loaded = None
-    if fmt in (ZIP, SAFETENSORS, HF) and not trust:
+    if fmt == DCP and not trust:
+        try:
+            loaded = _fast_dcp(p)
+        except (fp.NeedsTorch, tp.UnsupportedGlobal):
+            pass  # torch reads it, applying ckptkit's safety rules to .metadata's globals
+    elif fmt in (ZIP, SAFETENSORS, HF) and not trust:
         try:
             loaded = _fast(p, fmt)
         except tp.UnsupportedGlobal:

@@ -33,11 +33,13 @@ ALLOW_GLOBAL = click.option(
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--max-shard-size", metavar="SIZE",
               help="Write DST as a folder of Hugging Face safetensors shards of at most SIZE (bytes, or 5GB, 500MB).")  # fmt: skip
+@click.option("--format", "out_format", type=click.Choice(["dcp"]), default=None,
+              help="dcp: write DST as a torch.distributed.checkpoint folder (default: the format DST's suffix names).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tuple[str, ...], add: tuple[str, ...],
             model_only: bool, key: str | None, trust: bool, allow_global: tuple[str, ...], force: bool,
-            max_shard_size: str | None, as_json: bool) -> None:  # fmt: skip
+            max_shard_size: str | None, out_format: Literal["dcp"] | None, as_json: bool) -> None:  # fmt: skip
     """Rewrite SRC's weight names for another wrapping into DST (format by DST suffix).
 
     Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
@@ -48,7 +50,7 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
         report = convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
                                     trust=trust, allow_globals=allow_global, force=force, progress=progress,
-                                    max_shard_size=max_shard_size)  # fmt: skip
+                                    max_shard_size=max_shard_size, format=out_format)  # fmt: skip
     if as_json:
         emit_json(report.to_dict())
         return

@@ -19,10 +19,10 @@ import ctypes
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import CheckpointWriteError
+from ..errors import ArgumentError, CheckpointWriteError, spell, summarize
 from .atomic import describe_error, fsync_dir, remove_stale_temps, temp_path
 
 _RENAME_EXCHANGE = 2
@@ -88,3 +88,26 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
             raise CheckpointWriteError(describe_error(e, dest)) from e
         raise
+
+
+def check_folder_destination(src: Path, dest: Path, *, force: bool, owned: Callable[[str], bool], what: str) -> None:
+    """Raise unless ``dest`` may become a folder output: absent, empty, or (``force``) one holding
+    only files of its own kind (``owned(name)``, described as ``what``), never the source's folder.
+
+    The output replaces the whole folder, so anything else there would be lost with it.
+    """
+    if dest.exists() and not dest.is_dir():
+        raise ArgumentError(f"{dest} is a file; this output is a folder: give a new folder's path, e.g. {dest.with_suffix('')}/")
+    if not dest.is_dir():
+        return
+    if src.resolve() == dest.resolve() or dest.resolve() in src.resolve().parents:
+        raise ArgumentError(f"{dest} holds the source {src}; write to another folder (SRC is never modified)")
+    present = sorted(e.name for e in os.scandir(dest))
+    if present and not force:
+        raise ArgumentError(f"{dest} exists and is not empty; pass {spell('force=True', '--force')} to replace it")
+    others = [n for n in present if not owned(n)]
+    if others:
+        raise ArgumentError(
+            f"{dest} holds {summarize(others)} besides {what}; the output replaces the whole folder, "
+            "so write to a new folder (or move those files out first)"
+        )

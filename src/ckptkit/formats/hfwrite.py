@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import ArgumentError, spell, summarize
-from .atomicdir import atomic_folder
+from ..errors import summarize
+from . import dcpstream as dcps
+from .atomicdir import atomic_folder, check_folder_destination
 from .detect import HF_INDEXES
 from .fileio import Progress
 from .hfshards import HF_FILE, drop_tied, index_bytes, split
@@ -38,23 +39,8 @@ class Written:
 
 
 def check_destination(src: Path, dest: Path, *, force: bool) -> None:
-    """Raise unless ``dest`` may become a sharded folder: absent, empty, or (``force``) one holding
-    only Hugging Face weight files, and not the source's own folder."""
-    if dest.exists() and not dest.is_dir():
-        raise ArgumentError(f"{dest} is a file; a sharded output is a folder: give a new folder's path, e.g. {dest.with_suffix('')}/")
-    if not dest.is_dir():
-        return
-    if src.resolve() == dest.resolve() or dest.resolve() in src.resolve().parents:
-        raise ArgumentError(f"{dest} holds the source {src}; write the shards to another folder (SRC is never modified)")
-    present = sorted(e.name for e in os.scandir(dest))
-    if present and not force:
-        raise ArgumentError(f"{dest} exists and is not empty; pass {spell('force=True', '--force')} to replace it")
-    others = [n for n in present if not HF_FILE.match(n)]
-    if others:
-        raise ArgumentError(
-            f"{dest} holds {summarize(others)} besides Hugging Face weight files; the output replaces the whole "
-            "folder, so write the shards to a new folder (or move those files out first)"
-        )
+    """Raise unless ``dest`` may become a sharded folder (see :func:`.atomicdir.check_folder_destination`)."""
+    check_folder_destination(src, dest, force=force, owned=lambda n: bool(HF_FILE.match(n)), what="Hugging Face weight files")
 
 
 def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object]) -> None:
@@ -94,8 +80,17 @@ def plan(entries: list[tuple[str, Any, int, Any, bool]], *, max_shard_size: int)
     return Written(files, total, tied)
 
 
-def write_shards(dest: Path, src: Source, state: Mapping[str, Any], *, max_shard_size: int, progress: Progress | None) -> Written:
-    """Write ``state`` (leaves of ``src``) as a sharded folder at ``dest``, torch-free."""
+def write_shards(
+    dest: Path, src: Source | dcps.DcpSource, state: Mapping[str, Any], *, max_shard_size: int, progress: Progress | None
+) -> Written:
+    """Write ``state`` (leaves of ``src``: a file's, or a DCP folder's chunked tensors) as a
+    sharded folder at ``dest``, torch-free."""
+    if isinstance(src, dcps.DcpSource):  # each tensor its own storage, copied chunk by chunk
+        entries: list[tuple[str, Any, int, Any, bool]] = [(n, id(t), getattr(t, "nbytes", 0), id(t), True) for n, t in state.items()]
+        written = plan(entries, max_shard_size=max_shard_size)
+        dcp = src
+        write_folder(dest, written, lambda f, names, meta: dcps.write_safetensors(f, dcp, {n: state[n] for n in names}, progress, metadata=meta))
+        return written
     located = {name: locate(src, ref, name) for name, ref in state.items()}
     entries = [(n, b.storage if b.length else None, b.storage_size, b.ident, b.complete) for n, b in located.items()]
     written = plan(entries, max_shard_size=max_shard_size)

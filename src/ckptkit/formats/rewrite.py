@@ -29,8 +29,34 @@ from .safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, writ
 from .source import NeedsTorch, Source, StRef, is_leaf, open_source
 from .torchzip import Record, ZipWriter
 
-__all__ = ["NeedsTorch", "Source", "StRef", "is_leaf", "locate", "open_source", "rename_safetensors",
+__all__ = ["NeedsTorch", "Source", "StRef", "is_leaf", "locate", "new_tensor", "open_source", "rename_safetensors",
            "write_safetensors", "write_torch_zip"]  # fmt: skip
+
+_GLOBALS: dict[tuple[str, str], lp.Global] = {}
+
+
+def _global(module: str, name: str) -> lp.Global:
+    """One stand-in a name, so a pickle written from new tensors memoizes each global once."""
+    return _GLOBALS.setdefault((module, name), lp.Global(module, name))
+
+
+def new_tensor(key: str, dtype: str, shape: tuple[int, ...]) -> lp.TensorRef:
+    """A contiguous CPU tensor over all of storage ``key``, as ``torch.save`` pickles one.
+
+    Example:
+        >>> t = new_tensor("0", "bfloat16", (2, 3))
+        >>> t.dtype, t.stride, t.storage.numel
+        ('bfloat16', (3, 1), 6)
+    """
+    d = BY_NAME[dtype]
+    numel = math.prod(shape)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    hooks: OrderedDict[str, Any] = OrderedDict()
+    if d.storage is not None:
+        storage = lp.StorageRef(("storage", _global("torch", d.storage), key, "cpu", numel))
+        return lp.TensorRef(_global("torch._utils", "_rebuild_tensor_v2"), (storage, 0, shape, stride, False, hooks))
+    storage = lp.StorageRef(("storage", _global("torch.storage", "UntypedStorage"), key, "cpu", numel * d.itemsize))
+    return lp.TensorRef(_global("torch._utils", "_rebuild_tensor_v3"), (storage, 0, shape, stride, False, hooks, _global("torch", d.name)))
 
 
 @dataclass
@@ -202,40 +228,23 @@ def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | Non
 
 
 def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:
-    rebuild_v2 = lp.Global("torch._utils", "_rebuild_tensor_v2")
-    rebuild_v3 = lp.Global("torch._utils", "_rebuild_tensor_v3")
-    untyped = lp.Global("torch.storage", "UntypedStorage")
     made: dict[int, lp.TensorRef] = {}
     ranges: list[StRef] = []
 
     def to_tensor(ref: StRef) -> lp.TensorRef:
         if id(ref) in made:
             return made[id(ref)]  # the same object again: pickled once, tied on load
-        key, numel = str(len(ranges)), math.prod(ref.shape)
-        stride = tuple(math.prod(ref.shape[i + 1 :]) for i in range(len(ref.shape)))
-        hooks: OrderedDict[str, Any] = OrderedDict()
-        dtype = BY_SAFETENSORS[ref.dtype]
-        if dtype.storage is not None:
-            storage = lp.StorageRef(("storage", lp.Global("torch", dtype.storage), key, "cpu", numel))
-            t = lp.TensorRef(rebuild_v2, (storage, 0, ref.shape, stride, False, hooks))
-        else:
-            storage = lp.StorageRef(("storage", untyped, key, "cpu", ref.length))
-            t = lp.TensorRef(rebuild_v3, (storage, 0, ref.shape, stride, False, hooks, lp.Global("torch", dtype.name)))
+        made[id(ref)] = new_tensor(str(len(ranges)), BY_SAFETENSORS[ref.dtype].name, ref.shape)
         ranges.append(ref)
-        made[id(ref)] = t
-        return t
+        return made[id(ref)]
 
     if not isinstance(obj, Mapping):
         raise NeedsTorch("safetensors source is not a mapping")
     if any(p.fmt != SAFETENSORS for p in src.parts):
         raise NeedsTorch("torch zip shards into one torch zip")
     converted = OrderedDict((k, to_tensor(v)) for k, v in obj.items())
-    data, _ = lp.dumps(converted)
     w = ZipWriter(f, alignment=64)
-    prefix = "archive/"
-    for name, payload in ((f"{prefix}data.pkl", data), (f"{prefix}.format_version", b"1"),
-                          (f"{prefix}.storage_alignment", b"64"), (f"{prefix}byteorder", b"little")):  # fmt: skip
-        w.add_bytes(name, payload)
+    prefix = w.start_torch_archive(lp.dumps(converted)[0])
     damage = _damage(src)
     for i, ref in enumerate(ranges):
         # A zip record's CRC-32 precedes its bytes: the recorded one if the source has it, else
