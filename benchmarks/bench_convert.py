@@ -4,7 +4,8 @@
     python benchmarks/bench_convert.py --gib 4 --runs 1 --only-memory
 
 Every figure is a whole process, timed in this run, with the page cache warm (each input is
-read once before timing). Memory is the peak of ``RssAnon`` from /proc/PID/status sampled
+re-read, untimed, right before each timed run: a daemon here evicts idle page cache within
+seconds), the commands interleaved, min/median/max reported. Memory is the peak of ``RssAnon`` from /proc/PID/status sampled
 every 2 ms: private memory only, because the file pages of a memory map are reclaimable
 and ``ru_maxrss`` would count them. ckptkit fsyncs what it writes (durability); ``cp`` does
 not, so the table also shows ``cp`` followed by ``sync FILE`` for comparison.
@@ -43,14 +44,19 @@ save_file({k.removeprefix("module."): v for k, v in sd.items()}, sys.argv[2])
 """
 
 
+def gpt_dims(gib: float) -> tuple[int, int, int, int]:
+    """``(d, vocab, ff, layers)`` of the GPT-like model whose fp32 weights are about ``gib`` GiB."""
+    d, vocab, ff = 1024, 32000, 4096
+    per_layer = 4 * d * d + 2 * d * ff + 4 * d + ff + 5 * d
+    return d, vocab, ff, max(1, round((gib * 2**30 / 4 - 2 * vocab * d) / per_layer))
+
+
 def make_checkpoint(folder: Path, gib: float) -> tuple[Path, Path]:
     """A GPT-like DDP state dict (module. keys, fp32) of about ``gib`` GiB, as .pt and .safetensors."""
     import torch
     from safetensors.torch import save_file
 
-    d, vocab, ff = 1024, 32000, 4096
-    per_layer = 4 * d * d + 2 * d * ff + 4 * d + ff + 5 * d
-    layers = max(1, round((gib * 2**30 / 4 - 2 * vocab * d) / per_layer))
+    d, vocab, ff, layers = gpt_dims(gib)
     g = torch.Generator().manual_seed(0)
     sd: dict[str, torch.Tensor] = {"module.embed.weight": torch.randn(vocab, d, generator=g)}
     for i in range(layers):
@@ -103,18 +109,6 @@ def run(cmd: list[str]) -> tuple[float, int]:
     return elapsed, peak // 1024
 
 
-def measure(name: str, cmd: list[str], runs: int, out: Path | None) -> dict[str, float]:
-    times, mems = [], []
-    for _ in range(runs):
-        if out is not None and out.exists():
-            out.unlink()
-        os.sync()  # no dirty pages left over from the previous run to slow this one
-        t, m = run(cmd)
-        times.append(t)
-        mems.append(m)
-    return {"name": name, "median_s": statistics.median(times), "min_s": min(times), "rss_anon_mib": max(mems)}
-
-
 def warm(path: Path) -> None:
     with open(path, "rb") as f:
         while f.read(64 << 20):
@@ -136,38 +130,53 @@ def main() -> int:
             warm(p)
         ck = [sys.executable, "-m", "ckptkit.cli"]
         o = scratch / "out"
-        rows = []
         cases = [
             ("cp ddp.pt", ["cp", str(pt), f"{o}.pt"], f"{o}.pt", "base_pt"),
             ("cp ddp.pt && sync", ["sh", "-c", f"cp {pt} {o}.pt && sync {o}.pt"], f"{o}.pt", None),
             ("ckptkit convert ddp.pt single.pt", [*ck, "convert", str(pt), f"{o}.pt"], f"{o}.pt", "pt"),
             ("naive torch.load/save .pt", [sys.executable, "-c", NAIVE_PT, str(pt), f"{o}.pt"], f"{o}.pt", "naive_pt"),
             ("cp ddp.safetensors", ["cp", str(st), f"{o}.safetensors"], f"{o}.safetensors", "base_st"),
+            ("cp ddp.safetensors && sync", ["sh", "-c", f"cp {st} {o}.safetensors && sync {o}.safetensors"], f"{o}.safetensors", None),
             ("ckptkit convert ddp.safetensors single.safetensors", [*ck, "convert", str(st), f"{o}.safetensors"], f"{o}.safetensors", "st"),
             ("naive safetensors load/save", [sys.executable, "-c", NAIVE_ST_ST, str(st), f"{o}.safetensors"], f"{o}.safetensors", "naive_st"),
             ("ckptkit convert ddp.pt single.safetensors", [*ck, "convert", str(pt), f"{o}.safetensors"], f"{o}.safetensors", "pt2st"),
             ("naive torch.load -> save_file", [sys.executable, "-c", NAIVE_ST, str(pt), f"{o}.safetensors"], f"{o}.safetensors", "naive_pt2st"),
             ("ckptkit inspect ddp.pt", [*ck, "inspect", str(pt)], None, None),
             ("ckptkit --help", [*ck, "--help"], None, None),
-            ("ckptkit verify ddp.pt", [*ck, "verify", str(pt)], None, None),
+            ("ckptkit verify ddp.pt", [*ck, "verify", str(pt)], None, "verify"),
         ]
         if args.only_memory:
             cases = [c for c in cases if c[3] in ("base_pt", "pt", "st", "pt2st")]
-        found = {}
-        for name, cmd, out_path, tag in cases:
-            r = measure(name, cmd, args.runs, Path(out_path) if out_path else None)
-            rows.append((r, tag))
-            if tag:
-                found[tag] = r["median_s"]
-        print(f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes), {args.runs} run(s) each, median wall time\n")
-        print("| command | median s | x cp | x naive | peak RssAnon MiB |")
-        print("|---|---:|---:|---:|---:|")
-        base = {"pt": "base_pt", "naive_pt": "base_pt", "st": "base_st", "naive_st": "base_st", "pt2st": "base_pt", "naive_pt2st": "base_pt"}
+        inputs = {"ddp.pt": pt, "ddp.safetensors": st}
+        times: dict[str, list[float]] = {c[0]: [] for c in cases}
+        mems: dict[str, int] = {c[0]: 0 for c in cases}
+        for _ in range(args.runs):  # interleaved: every command once per round
+            for name, cmd, out_path, _tag in cases:
+                if out_path and Path(out_path).exists():
+                    Path(out_path).unlink()
+                os.sync()  # no dirty pages left over from the previous run to slow this one
+                for label, path in inputs.items():  # warm: a daemon here evicts idle page cache
+                    if label in name:
+                        warm(path)
+                t, m = run(cmd)
+                times[name].append(t)
+                mems[name] = max(mems[name], m)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        tags = {c[3]: c[0] for c in cases if c[3]}
+        durable = {"base_pt": "cp ddp.pt && sync", "base_st": "cp ddp.safetensors && sync"}
+        print(f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes) in {scratch.parent}, {args.runs} interleaved run(s),"
+              " inputs re-read before each run\n")  # fmt: skip
+        print("| command | min / median / max s | x cp | x cp && sync | x naive | peak RssAnon MiB |")
+        print("|---|---|---:|---:|---:|---:|")
+        base = {"pt": "base_pt", "naive_pt": "base_pt", "st": "base_st", "naive_st": "base_st", "pt2st": "base_pt",
+                "naive_pt2st": "base_pt", "verify": "base_pt"}  # fmt: skip
         naive = {"pt": "naive_pt", "st": "naive_st", "pt2st": "naive_pt2st"}
-        for r, tag in rows:
-            xcp = f"{r['median_s'] / found[base[tag]]:.2f}" if tag in base and base[tag] in found else ""
-            xnaive = f"{r['median_s'] / found[naive[tag]]:.2f}" if tag in naive and naive[tag] in found else ""
-            print(f"| {r['name']} | {r['median_s']:.3f} | {xcp} | {xnaive} | {r['rss_anon_mib']} |")
+        for name, _cmd, _out, tag in cases:
+            ts = times[name]
+            xcp = f"{med[name] / med[tags[base[tag]]]:.2f}" if tag in base and base[tag] in tags else ""
+            xsync = f"{med[name] / med[durable[base[tag]]]:.2f}" if tag in base and durable.get(base[tag]) in med else ""
+            xnaive = f"{med[name] / med[tags[naive[tag]]]:.2f}" if tag in naive and naive[tag] in tags else ""
+            print(f"| {name} | {min(ts):.3f} / {med[name]:.3f} / {max(ts):.3f} | {xcp} | {xsync} | {xnaive} | {mems[name]} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -306,14 +306,19 @@ def test_inspect_counts_tied_storage_once(fixtures_dir: Path) -> None:
 
 
 # Defect 13: an existing folder as DST is called an "unknown output suffix" or asks for --force.
+# Since issue 12 an existing folder receives Hugging Face shards; one holding other files is
+# refused as a folder, never as a suffix.
 @pytest.mark.parametrize("name", ["errs", "x.pt"])
 def test_convert_to_an_existing_folder_says_folder(fixtures_dir: Path, tmp_path: Path, name: str) -> None:
     dst = tmp_path / name
     dst.mkdir()
-    code, _, err = run("convert", fixtures_dir / "plain.pt", dst)
+    assert run("convert", fixtures_dir / "plain.pt", dst)[0] == 0
+    assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors"]
+    (dst / "notes.txt").write_text("mine")
+    code, _, err = run("convert", fixtures_dir / "plain.pt", dst, "--force")
     assert code == 2, err
     lines = error_lines(err)
     assert len(lines) == 1 and lines[0].startswith("ckptkit: error:"), err
-    assert "folder" in lines[0]
-    assert "suffix" not in lines[0] and "--force" not in lines[0]
-    assert not list(dst.iterdir())
+    assert "folder" in lines[0] and "notes.txt" in lines[0]
+    assert "suffix" not in lines[0]
+    assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors", "notes.txt"]

@@ -61,7 +61,7 @@ _ELSEWHERE: dict[str, str] = {
     "find_model_state": "._layout",
     "capture_rng_state": "._rng",
     "restore_rng_state": "._rng",
-    "ConvertReport": "._convert",
+    "ConvertReport": "._convreport",
     "CheckpointSummary": "._inspect",
     "DiffReport": "._diff",
     "VerifyReport": "._verify",

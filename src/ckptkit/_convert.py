@@ -11,76 +11,38 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._layout import find_model_state, is_state_dict, replace_at
+from ._convreport import ConvertReport, other_wrapped_weights, renamed_prefixes, tied_names
+from ._layout import find_model_state, replace_at
 from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
 from ._write import format_for, write_to
 from .errors import ArgumentError, spell, summarize
+from .formats import dcpstream as dcps
 from .formats import modulepickle as mp
 from .formats import rewrite as fp
 from .formats.atomic import atomic_write
-from .formats.detect import SAFETENSORS, ZIP, Format, check_exists, detect_format
+from .formats.atomicdir import check_folder_destination
+from .formats.detect import DCP, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format
+from .formats.hfshards import DEFAULT_MAX_SHARD_SIZE, parse_size, read_index, shard_note
+from .formats.hfwrite import check_destination, write_shards
 from .formats.integrity import check_recorded_crcs
-from .formats.safetensors import parse_aliases, read_header
 from .formats.torchpickle import UnsupportedGlobal
-from .prefix import detect_prefixes, rewrite_prefixes
+from .prefix import rewrite_prefixes
 
 
-@dataclass
-class ConvertReport:
-    """What :func:`convert_checkpoint` did.
-
-    Attributes:
-        source, destination: the paths.
-        source_format, destination_format: e.g. ``torch-zip``, ``safetensors``.
-        weights_at: where the weights were in the source (``""`` for the top level).
-        tensors: number of weight tensors.
-        renamed: how many weight keys changed name.
-        prefix_before, prefix_after: the leading part of the renamed keys before and after
-            (``"module."`` and ``""`` for DDP -> single); both the leading wrappers when none
-            was renamed.
-        dropped: top-level entries not written (with ``model_only``).
-        left: other entries that also hold wrapped weights (an EMA copy), left as they were;
-            convert them with ``key=``.
-        tied: for a safetensors output, ``"alias is target"`` for each tensor stored once and
-            re-tied on load (``safetensors.torch.load_model`` or ckptkit's loaders do that).
-        fast: True when torch was never imported (names rewritten, tensor bytes copied).
-        fallback_reason: why the torch path was used, when it was.
-        bytes: size of the written file.
-        pickled_module: for a whole pickled module (``torch.save(model, ...)``), its class, e.g.
-            ``DataParallel(ToyCNN)``: its ``state_dict()`` was read without running the pickle.
-    """
-
-    source: str
-    destination: str
-    source_format: str
-    destination_format: str
-    weights_at: str
-    tensors: int
-    renamed: int
-    prefix_before: str
-    prefix_after: str
-    dropped: list[str] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)
-    tied: list[str] = field(default_factory=list)
-    fast: bool = True
-    fallback_reason: str = ""
-    bytes: int = 0
-    pickled_module: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+def _dcp_flag() -> str:
+    return spell('format="dcp"', "--format dcp")
 
 
-def _check_paths(src: Path, dst: Path, force: bool) -> Format:
-    if dst.is_dir():
-        raise ArgumentError(f"{dst} is a folder; convert writes one file, so give its path, e.g. {dst / (src.stem + '.pt')}")
+def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> Format:
+    if format == DCP:  # a folder DCP's writer fills; anything else in it would go with it
+        check_folder_destination(src, dst, force=force, owned=lambda n: n == ".metadata" or n.endswith(".distcp"), what="DCP files")
+        return DCP
     fmt = format_for(dst, default=None)
     if dst.exists():
         if src.exists() and os.path.samefile(src, dst):
@@ -104,6 +66,8 @@ def convert_checkpoint(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     weights_only: bool | None = None,
+    max_shard_size: int | str | None = None,
+    format: Literal["dcp"] | None = None,
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -113,15 +77,20 @@ def convert_checkpoint(
     replaces ``src``.
 
     Every tensor byte is checked against the CRC-32 the source records for it (a torch zip's
-    records; ckptkit's per-tensor CRC-32s in safetensors it wrote) as it is copied, so a damaged
-    source fails with :class:`~ckptkit.errors.CheckpointFormatError` naming each damaged tensor,
-    and ``dst`` is not written. Legacy files, DCP folders and safetensors files from other
-    writers record no CRC-32s, so there is nothing to check their bytes against.
+    records; ckptkit's per-tensor CRC-32s in safetensors it wrote; each DCP chunk's zip record) as
+    it is copied, so a damaged source fails with :class:`~ckptkit.errors.CheckpointFormatError`
+    naming each damaged tensor, and ``dst`` is not written. Legacy files and safetensors files from
+    other writers record no CRC-32s, so there is nothing to check their bytes against. A DCP
+    folder is copied chunk by chunk, in little memory at any size, unless its chunks are split
+    along a dimension other than the first (then torch loads it whole; ``fallback_reason`` says why).
 
     Args:
-        src: torch zip or legacy file, safetensors file, or DCP folder.
+        src: torch zip or legacy file, safetensors file, DCP folder, or Hugging Face shards (their
+            folder or ``*.index.json``).
         dst: output path; ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
-            zip (suffixes in any case).
+            zip (suffixes in any case). A path ending in ``/``, an existing folder, or any
+            ``max_shard_size`` writes a folder of Hugging Face safetensors shards instead, as
+            ``huggingface_hub.save_torch_state_dict`` does; it appears complete or not at all.
         to: ``"single"`` (remove ``module.``/``_orig_mod.``), ``"ddp"`` (then add ``module.``)
             or ``"keep"``; see :func:`ckptkit.prefix.rewrite_prefixes`.
         strip: further prefixes to remove (e.g. Lightning's ``"model."``).
@@ -134,6 +103,12 @@ def convert_checkpoint(
         force: replace an existing ``dst``.
         progress: called as ``progress(bytes_done_now, bytes_total)`` while copying.
         weights_only: the former name of ``model_only`` (deprecated).
+        max_shard_size: for a folder output, the shard size limit: bytes, or ``"5GB"``/``"500MB"``
+            (decimal units, as huggingface_hub's; default ``"5GB"``).
+        format: ``"dcp"`` writes ``dst`` as a torch.distributed.checkpoint folder (through DCP's
+            own writer, after ckptkit's safe read of ``src``), which
+            ``torch.distributed.checkpoint.load`` reads into a plain or an FSDP2 model; the
+            folder appears complete or not at all. None: the format ``dst``'s suffix names.
 
     Returns:
         A :class:`ConvertReport`.
@@ -153,18 +128,30 @@ def convert_checkpoint(
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     source, dest = Path(src), Path(dst)
     check_exists(source)
-    out_fmt = _check_paths(source, dest, force)
+    if format not in (None, DCP):
+        raise ArgumentError(f"format must be 'dcp' or None (the format DST's suffix names), not {format!r}")
+    if format == DCP and max_shard_size is not None:
+        raise ArgumentError(f"max_shard_size is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave it out")
+    folder = format is None and (max_shard_size is not None or os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir())
+    limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
+    if folder:
+        check_destination(source, dest, force=force)
+    out_fmt = HF if folder else _check_paths(source, dest, force, format)
     in_fmt = detect_format(source)
     job = _Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
-    total = source.stat().st_size if source.is_file() else 0
+    total = (read_index(source).total_bytes() if in_fmt == HF else source.stat().st_size if source.is_file()
+             else sum(p.stat().st_size for p in source.glob("*.distcp")))  # fmt: skip
     report_progress = (lambda n: progress(n, total)) if progress else None
-    reason = "trusted file: loaded with torch" if trust else ""
-    if not trust and in_fmt in (ZIP, SAFETENSORS):
+    reason = "trusted file: loaded with torch" if trust else "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
+    if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP):
         try:
-            view = fp.open_source(source, in_fmt)
+            view = dcps.open_dcp(source) if in_fmt == DCP else fp.open_source(source, in_fmt)
             try:
-                report = job.run(view.obj, fp.is_leaf, lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
-                report.pickled_module = view.module
+                if out_fmt == HF:
+                    report = job.run(view.obj, _is_leaf(view), lambda _, obj, sd: write_shards(dest, view, sd, max_shard_size=limit, progress=report_progress))
+                else:
+                    report = job.run(view.obj, _is_leaf(view), lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
+                report.pickled_module = view.module if isinstance(view, fp.Source) else ""
                 return report
             finally:
                 view.close()
@@ -183,7 +170,16 @@ def convert_checkpoint(
     obj = read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt, progress=report_progress)
-    report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
+    if out_fmt == HF:
+        from ._hfsave import save_shards  # deferred with torch, as above
+
+        report = job.run(obj, None, lambda _, obj, state: save_shards(state, dest, max_shard_size=limit))
+    elif out_fmt == DCP:
+        from ._dcpwrite import write_dcp  # deferred with torch, as above
+
+        report = job.run(obj, None, lambda _, obj, state: write_dcp(obj, dest))
+    else:
+        report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
     report.fast, report.fallback_reason = False, reason
     if trust and in_fmt == ZIP:  # read by the same inert walk (_torchload), if it is a whole module
         report.pickled_module = pickled_module_name(source)
@@ -202,18 +198,35 @@ class _Job:
     model_only: bool
     key: str | None
 
-    def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], None]) -> ConvertReport:
+    def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
-        if self.out_fmt == SAFETENSORS and others and not self.model_only:
+        if path and path[-1].endswith("."):  # key="student.": part of the weights
+            if not self.model_only:
+                raise ArgumentError(
+                    f"{spell(f'key={self.key!r}', f'--key {self.key}')} selects part of {self.source}'s weights; "
+                    f"add {spell('model_only=True', '--model-only')} to write that part alone, or rename it in place "
+                    f"with {spell(f'strip=[{path[-1]!r}]', f'--strip {path[-1]}')}"
+                )
+            node = obj
+            for part in path[:-1]:
+                node = node[part]
+            rest = sum(1 for k in node if not str(k).startswith(path[-1]))
+            others = (others if len(path) > 1 else []) + [f"{rest} weight(s) outside {path[-1]}"] * bool(rest)
+        if self.out_fmt in (SAFETENSORS, HF) and others and not self.model_only:
             raise ArgumentError(
                 f"{self.source} holds {summarize(others)} besides the weights, and safetensors stores tensors only; "
                 f"pass {spell('model_only=True', '--model-only')} to write just the model weights"
             )
         out = new_state if self.model_only else replace_at(obj, path, new_state)
-        with atomic_write(self.dest) as f:
-            write(f, out, new_state)
+        written = None
+        if self.out_fmt in (HF, DCP):  # a folder: its writer owns the temp folder and the swap
+            written = write(None, out, new_state)
+        else:
+            with atomic_write(self.dest) as f:
+                write(f, out, new_state)
+        hf: Any = written if self.out_fmt == HF else None  # formats.hfwrite.Written
         before, after = renamed_prefixes(list(state), list(new_state))
         return ConvertReport(
             source=str(self.source),
@@ -226,59 +239,24 @@ class _Job:
             prefix_before=before,
             prefix_after=after,
             dropped=others if self.model_only else [],
-            left=[] if self.model_only else _other_wrapped_weights(obj, path, is_tensor),
-            tied=_tied(self.dest) if self.out_fmt == SAFETENSORS else [],
-            bytes=self.dest.stat().st_size,
+            left=[] if self.model_only else other_wrapped_weights(obj, path, is_tensor),
+            tied=tied_names(self.dest) if self.out_fmt == SAFETENSORS else [f"{a} is {b}" for a, b in hf.tied.items()] if hf else [],
+            bytes=sum(f.stat().st_size for f in self.dest.iterdir()) if self.dest.is_dir() else self.dest.stat().st_size,
+            shards=len(hf.files) if hf else 0,
+            notes=[note] if self.source.is_file() and (note := shard_note(self.source)) else [],
         )
 
 
-def _other_wrapped_weights(obj: Any, path: tuple[str, ...], is_tensor: Any) -> list[str]:
-    """Where else ``obj`` holds a state dict with wrapper prefixes (an EMA copy, a teacher)."""
-    found: list[str] = []
-    todo: list[tuple[tuple[str, ...], Any]] = [((), obj)]
-    while todo:
-        where, node = todo.pop(0)
-        if not isinstance(node, Mapping) or len(where) > 3:
-            continue
-        if where and where != path and is_state_dict(node, is_tensor) and detect_prefixes(node).wrapped:
-            found.append("/".join(where))
-            continue
-        todo += [((*where, str(k)), v) for k, v in node.items() if (*where, str(k)) != path]
-    return found
-
-
-def _tied(dest: Path) -> list[str]:
-    with open(dest, "rb") as f:
-        header, _ = read_header(f, source=str(dest))
-    meta = header.pop("__metadata__", None) or {}
-    return [f"{alias} is {target}" for _, alias, target in parse_aliases(meta, header, str(dest))]
-
-
-def renamed_prefixes(before: Sequence[str], after: Sequence[str]) -> tuple[str, str]:
-    """The leading part most renamed keys lost and gained: ``("module.", "")`` for DDP -> single.
-
-    Example:
-        >>> renamed_prefixes(["fc.w", "fc.b"], ["model.fc.w", "model.fc.b"])
-        ('', 'model.')
-    """
-    changes: Counter[tuple[str, str]] = Counter()
-    for a, b in zip(before, after, strict=True):
-        if a == b:
-            continue
-        x, y = a.split("."), b.split(".")
-        same = 0
-        while same < min(len(x), len(y)) and x[-1 - same] == y[-1 - same]:
-            same += 1
-        changes[(".".join(x[: len(x) - same]) + "." if len(x) > same else "",
-                 ".".join(y[: len(y) - same]) + "." if len(y) > same else "")] += 1  # fmt: skip
-    if not changes:
-        lead = detect_prefixes(before).prefix
-        return lead, lead
-    return changes.most_common(1)[0][0]
+def _is_leaf(src: Any) -> Callable[[Any], bool]:
+    return dcps.is_leaf if isinstance(src, dcps.DcpSource) else fp.is_leaf
 
 
 def _fast_write(f: Any, src: Any, obj: Any, state: Any, in_fmt: str, out_fmt: str, progress: Any) -> None:
-    if out_fmt == SAFETENSORS:
+    if in_fmt == DCP and out_fmt == SAFETENSORS:  # tensors as pieces of .distcp files, copied in order
+        dcps.write_safetensors(f, src, state, progress)
+    elif in_fmt == DCP:
+        dcps.write_torch_zip(f, src, obj, progress)
+    elif out_fmt == SAFETENSORS:
         if in_fmt == SAFETENSORS:
             fp.rename_safetensors(f, src, state, progress)
         else:

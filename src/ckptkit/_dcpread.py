@@ -81,7 +81,7 @@ def _load(folder: Path, trust: bool, allowed: list[Any]) -> dict[str, Any]:
     except CkptkitError:
         raise
     except CheckpointException as e:  # a BaseException: DCP wraps each rank's failure in it
-        cause = _first_failure(e)
+        cause = first_failure(e)
         if isinstance(cause, CkptkitError):
             raise cause from e
         what = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown failure"
@@ -103,7 +103,7 @@ def _to_device(node: Any, device: str) -> Any:
     return node
 
 
-def _first_failure(e: BaseException) -> BaseException | None:
+def first_failure(e: BaseException) -> BaseException | None:
     for failure in getattr(e, "failures", {}).values():
         # (exception, traceback frames) in torch 2.13; a WrappedException in some releases.
         failure = failure[0] if isinstance(failure, tuple) and failure else failure

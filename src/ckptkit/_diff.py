@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ._layout import find_model_state
 from ._safety import AllowGlobals
+from .formats.hfshards import shard_note
 from .prefix import rewrite_prefixes
 
 
@@ -35,6 +37,7 @@ class DiffReport:
     differences: list[TensorDiff] = field(default_factory=list)
     atol: float = 0.0
     rtol: float = 0.0
+    notes: list[str] = field(default_factory=list)  # e.g. A is one shard of a sharded checkpoint
 
     @property
     def equal(self) -> bool:
@@ -103,6 +106,7 @@ def diff_checkpoints(
     pa, pb = os.fspath(a), os.fspath(b)
     wa, wb = _weights(pa, key_a, trust, allow_globals, "key_a"), _weights(pb, key_b, trust, allow_globals, "key_b")
     report = DiffReport(pa, pb, atol=atol, rtol=rtol)
+    report.notes = [note for p in (pa, pb) if os.path.isfile(p) and (note := shard_note(Path(p)))]
     report.only_in_a = [k for k in wa if k not in wb]
     report.only_in_b = [k for k in wb if k not in wa]
     pairs = [(name, x, wb[name]) for name, x in wa.items() if name in wb]

@@ -6,8 +6,10 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ._layout import select_prefix
+from ._unwrap import unwrap_model
 from .errors import StateDictMismatchError, summarize
-from .prefix import WRAPPER_PREFIXES, adapt_state_dict, detect_prefixes
+from .prefix import WRAPPER_PREFIXES, adapt_state_dict, canonical_key, detect_prefixes, wrapper_names
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -26,6 +28,42 @@ def check_fit(state_dict: Mapping[str, Any], target: Mapping[str, Any]) -> tuple
             if a is not None and b is not None and a != b:
                 mismatched.append((k, a, b))
     return missing, unexpected, mismatched
+
+
+def fitting_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any], *, wrappers: Iterable[str] = WRAPPER_PREFIXES) -> list[str]:
+    """The leading prefixes under which ``state_dict`` holds exactly ``target``'s keys, one to one
+    and shape for shape, wrapper segments aside: ``["net."]`` for a LightningModule's
+    ``net._orig_mod.conv1.weight`` against a plain net, two for a teacher and a student.
+
+    Example:
+        >>> fitting_prefixes({"net._orig_mod.w": 0, "loss.t": 1}, {"w": 0})
+        ['net.']
+    """
+    names = wrapper_names(wrappers)
+    want = {canonical_key(k, names): _shape(v) for k, v in target.items()}
+    if len(want) != len(target):  # two model keys with one plain name: names cannot decide
+        return []
+    under: dict[str, dict[str, str]] = {}  # plain prefix -> {model key: checkpoint key}
+    raw: dict[str, set[str]] = {}  # plain prefix -> how the checkpoint's keys spell it
+    for key in state_dict:
+        parts = key.split(".")
+        plain = [i for i, p in enumerate(parts) if p not in names]
+        for n in range(1, len(plain)):
+            rest = ".".join(parts[i] for i in plain[n:])
+            lead = ".".join(parts[i] for i in plain[:n]) + "."
+            if rest in want:
+                under.setdefault(lead, {})[rest] = key
+            raw.setdefault(lead, set()).add(".".join(parts[: plain[n - 1] + 1]) + ".")
+    fits = []
+    for lead, got in under.items():
+        spelled = raw[lead]
+        if len(got) != len(want) or len(spelled) != 1:
+            continue
+        prefix = spelled.pop()
+        inside = [k for k in state_dict if k.startswith(prefix)]
+        if len(inside) == len(want) and all(_shape(state_dict[got[k]]) == shape for k, shape in want.items()):
+            fits.append(prefix)
+    return fits
 
 
 def _mismatch_message(source: str, model: Any, found: tuple[list[str], list[str], list[Any]]) -> str:
@@ -73,7 +111,26 @@ def fit_to_model(
         StateDictMismatchError: with ``strict``, every missing, unexpected or mis-shaped key.
     """
     adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
-    found = check_fit(adapted, model.state_dict())
+    target = model.state_dict()
+    found = check_fit(adapted, target)
+    if found[0] and found[1]:  # keys missing and others unexpected: the model may sit under a prefix
+        fits = fitting_prefixes(state_dict, target, wrappers=wrappers)
+        name = type(unwrap_model(model)).__name__
+        if len(fits) > 1:
+            raise StateDictMismatchError(
+                f"{source}: {len(fits)} parts of the checkpoint fit {name} by name and shape "
+                f"({', '.join(map(repr, fits))}); say which with key={fits[-1]!r} "
+                f"(ckptkit convert: --key {fits[-1]} --model-only, or --strip {fits[-1]})",
+                missing=found[0], unexpected=found[1], mismatched=found[2],
+            )  # fmt: skip
+        if fits:
+            adapted = adapt_state_dict(select_prefix(state_dict, fits[0]), model, wrappers=wrappers)
+            found = check_fit(adapted, target)
+            warnings.warn(
+                f"{source}: loaded the weights under {fits[0]!r}, the only part of the checkpoint that fits "
+                f"{name} by name and shape; pass key={fits[0]!r} to say so and silence this",
+                stacklevel=4,
+            )
     missing, unexpected, mismatched = found
     if strict and (missing or unexpected or mismatched):
         raise StateDictMismatchError(

@@ -1,8 +1,10 @@
 """``ckptkit inspect``: what a checkpoint holds, read from its pickle or header alone.
 
 For torch zip and safetensors files nothing is loaded but the pickle or header (torch is not
-imported), so a multi-GB checkpoint is summarised in milliseconds. Legacy files and DCP folders
-are loaded with torch (weights-only).
+imported), so a multi-GB checkpoint is summarised in milliseconds; DCP folders likewise (their
+``.metadata`` and each chunk's zip header), unless the copy path would hand them to torch
+(chunks split along a dimension other than the first). Legacy files are loaded with torch
+(weights-only).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any
 from ._layout import find_model_state
 from ._safety import AllowGlobals, filter_unsafe
 from .errors import CheckpointFormatError, LayoutError
+from .formats import dcpstream as dcps
 from .formats import modulepickle as mp
 from .formats import rewrite as fp
 from .formats import torchpickle as tp
-from .formats.detect import SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.detect import DCP, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.dtypes import BY_SAFETENSORS
+from .formats.hfshards import read_index, shard_note
 from .formats.scan import checkpoint_globals
 from .prefix import detect_prefixes
 
@@ -56,6 +60,7 @@ class CheckpointSummary:
     loaded_with_torch: bool = False
     trusted: bool = False
     pickled_module: str = ""  # a whole pickled module's class: the tensors are its state_dict()
+    notes: list[str] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -145,10 +150,21 @@ def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any], str]:
         t = tp.tensor_of(ref)
         if t is None:
             raise CheckpointFormatError(f"{path}: entry {name} is not a tensor")
-        return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), t.storage.key, tp.storage_nbytes(t.storage)
+        storage = (id(src.part(ref)), t.storage.key)  # keys repeat across shards
+        return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), storage, tp.storage_nbytes(t.storage)
 
     meta: dict[str, Any] = dict(src.metadata or {})
     return src.obj, fp.is_leaf, info, meta, src.module
+
+
+def _fast_dcp(path: Path) -> tuple[Any, Any, _Info, dict[str, Any], str]:
+    src = dcps.open_dcp(path)
+    src.close()  # shapes, dtypes and where the bytes are: enough to describe it
+
+    def info(name: str, t: dcps.DcpTensor) -> tuple[TensorInfo, Any, int]:
+        return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
+
+    return src.obj, dcps.is_leaf, info, {}, ""
 
 
 def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any], str]:
@@ -182,9 +198,16 @@ def inspect_checkpoint(
     """
     p = check_exists(path)
     fmt = detect_format(p)
-    summary = CheckpointSummary(str(p), fmt, p.stat().st_size if p.is_file() else _folder_size(p))
+    size = read_index(p).total_bytes() if fmt == HF else p.stat().st_size if p.is_file() else _folder_size(p)
+    summary = CheckpointSummary(str(p), fmt, size)
+    summary.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     loaded = None
-    if fmt in (ZIP, SAFETENSORS) and not trust:
+    if fmt == DCP and not trust:
+        try:
+            loaded = _fast_dcp(p)
+        except (fp.NeedsTorch, tp.UnsupportedGlobal):
+            pass  # torch reads it, applying ckptkit's safety rules to .metadata's globals
+    elif fmt in (ZIP, SAFETENSORS, HF) and not trust:
         try:
             loaded = _fast(p, fmt)
         except mp.UnsafeModulePickle as e:
@@ -194,7 +217,8 @@ def inspect_checkpoint(
         except fp.NeedsTorch:
             pass  # a pickled module whose state_dict() needs its code: torch's loader says what it needs
         except tp.UnsupportedGlobal:
-            unsafe = filter_unsafe(checkpoint_globals(p), allow_globals)
+            # A shard's globals: torch's weights-only load below says which it needs.
+            unsafe = filter_unsafe(checkpoint_globals(p), allow_globals) if fmt != HF else []
             if unsafe:
                 # Describe what we can without running anything: the globals it needs.
                 summary.needs_trust = unsafe

@@ -8,10 +8,12 @@ real tensors and the placeholders of the torch-free reader.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import LayoutError, spell, summarize
+from .prefix import check_prefix, strip_prefix
 
 MODEL_KEYS: tuple[str, ...] = ("state_dict", "model", "model_state_dict", "module", "net", "network", "weights")
 
@@ -51,20 +53,28 @@ def find_model_state(
     Args:
         obj: what the checkpoint holds.
         key: where the weights are, as ``"ema"`` or a path ``"ema/model"``; found
-            automatically when omitted.
+            automatically when omitted. A last part ending in ``.`` selects the keys under
+            that prefix, which it removes: ``"student."``, ``"model/student."``.
         is_tensor: predicate for tensor values (default: ``isinstance(v, torch.Tensor)``).
         source: the file name, for error messages.
         option: the caller's name for ``key`` (``key_a`` for diff's first file), for messages.
 
     Returns:
         ``(path, state_dict)``, where ``path`` is ``()`` for a bare state dict, else the keys
-        leading to it, e.g. ``("model",)``.
+        leading to it, e.g. ``("model",)``, and then the prefix selected, e.g. ``("model", "student.")``.
 
     Raises:
         LayoutError: no state dict at ``key``, or none of the usual places holds one.
     """
     is_tensor = is_tensor or _default_is_tensor
     say = spell(f"{option}=", "--" + option.replace("_", "-"))
+    if key is not None and key.endswith("."):
+        base, _, prefix = key.rpartition("/")
+        path, state = find_model_state(obj, key=base or None, is_tensor=is_tensor, source=source, option=option)
+        if not any(k.startswith(check_prefix(prefix)) for k in state):
+            heads = list(dict.fromkeys(k.split(".")[0] + "." for k in state))
+            raise LayoutError(f"{source}: no weight starts with {prefix!r} (they start with {summarize(heads)})")
+        return (*path, prefix), select_prefix(state, prefix)
     if key is not None:
         node = obj
         path = tuple(p for p in key.split("/") if p)
@@ -96,6 +106,23 @@ def find_model_state(
             f"{', '.join(MODEL_KEYS)} (top-level entries: {top}); say where with {say}"
         )
     raise LayoutError(f"{source}: holds a {type(obj).__name__}, not a state dict or a dict of entries")
+
+
+def select_prefix(state_dict: Mapping[str, Any], prefix: str) -> OrderedDict[str, Any]:
+    """The entries under ``prefix``, with it removed (a student's weights beside a teacher's).
+
+    Example:
+        >>> dict(select_prefix({"teacher.w": 1, "student.w": 2}, "student."))
+        {'w': 2}
+    """
+    check_prefix(prefix)
+    sub: OrderedDict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k.startswith(prefix))
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        sub._metadata = OrderedDict((p, v) for p, v in meta.items() if p == prefix[:-1] or p.startswith(prefix))  # type: ignore[attr-defined]
+    return strip_prefix(sub, prefix)
+
+
 
 
 def replace_at(obj: Any, path: tuple[str, ...], value: Any) -> Any:

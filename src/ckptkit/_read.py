@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 from ._dcpread import read_dcp
@@ -10,7 +12,9 @@ from ._devices import MapLocation, single_device
 from ._safety import AllowGlobals
 from ._sttorch import load_tensors
 from ._torchload import torch_load
-from .formats.detect import DCP, SAFETENSORS, detect_format
+from .errors import CheckpointFormatError
+from .formats.detect import DCP, HF, SAFETENSORS, detect_format
+from .formats.hfshards import check_shard_keys, read_index
 
 
 def read_checkpoint(
@@ -21,7 +25,8 @@ def read_checkpoint(
     allow_globals: AllowGlobals = (),
     mmap: bool = True,
 ) -> Any:
-    """Load a torch zip or legacy file, a safetensors file or a DCP folder (no model involved).
+    """Load a torch zip or legacy file, a safetensors file, a DCP folder, or Hugging Face shards
+    (their folder or index: one state dict, checked against the index) (no model involved).
 
     Not a collective: each rank reads the file itself. Safe by default: pickles load with
     ``weights_only=True``. A whole pickled module (``torch.save(model, path)``, DDP/DataParallel/
@@ -50,8 +55,29 @@ def read_checkpoint(
     """
     source = os.fspath(path)
     fmt = detect_format(source)
+    if fmt == HF:
+        return _read_shards(source, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
     if fmt == SAFETENSORS:
         return load_tensors(source, device=single_device(map_location, source, "a safetensors file"))[0]
     if fmt == DCP:
         return read_dcp(source, trust=trust, allow_globals=allow_globals, map_location=map_location)
     return torch_load(source, fmt, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
+
+
+def _read_shards(source: str, **options: Any) -> OrderedDict[str, Any]:
+    """Every shard read as a file of its own, checked against the index, in the index's order;
+    tied tensors the index records as dropped are the same tensor as the one kept."""
+    index = read_index(source)
+    shards: dict[str, Any] = {}
+    for shard in index.shards:
+        path = index.folder / shard
+        if detect_format(path) in (HF, DCP):
+            raise CheckpointFormatError(f"{index.path}: shard {shard} is not a file of tensors")
+        shards[shard] = read_checkpoint(path, **options)
+        if not isinstance(shards[shard], Mapping):
+            raise CheckpointFormatError(f"{path}: a shard of {index.path} must hold a mapping of tensors, not a {type(shards[shard]).__name__}")
+    check_shard_keys(index, {s: list(sd) for s, sd in shards.items()})
+    out: OrderedDict[str, Any] = OrderedDict((k, shards[s][k]) for k, s in index.weight_map.items())
+    for alias, kept in index.tied().items():
+        out[alias] = out[kept]
+    return out

@@ -7,6 +7,7 @@ torch loads only files whose globals all passed torch's weights-only allowlist.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import zipfile
@@ -25,10 +26,13 @@ from .errors import (
     summarize,
 )
 from .formats.dcp import unsafe_metadata_globals
-from .formats.detect import DCP, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.detect import DCP, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.fileio import Progress
+from .formats.hfshards import read_index, shard_note
 from .formats.integrity import Check, safetensors_checks, zip_checks
 from .formats.scan import checkpoint_globals, pickle_globals
+from .formats.source import NeedsTorch, open_source
+from .formats.torchpickle import UnsupportedGlobal
 from .formats.torchzip import TorchZip
 
 
@@ -41,12 +45,14 @@ class VerifyReport:
         format: ``torch-zip``, ``torch-legacy``, ``safetensors``, ``dcp`` or ``unknown``.
         checks: every :class:`~ckptkit.formats.integrity.Check`, in the order run.
         error: the error that stopped checking early (no such file, not a checkpoint).
+        notes: what the caller should know (the file is one shard of a sharded checkpoint).
     """
 
     path: str
     format: str = "unknown"
     checks: list[Check] = field(default_factory=list)
     error: CkptkitError | None = field(default=None, repr=False)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -82,7 +88,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         checks = [c.to_dict() for c in self.checks]
-        return {"path": self.path, "format": self.format, "ok": self.ok, "intact": self.intact, "checks": checks}
+        return {"path": self.path, "format": self.format, "ok": self.ok, "intact": self.intact, "checks": checks, "notes": self.notes}
 
 
 def verify_checkpoint(
@@ -91,7 +97,8 @@ def verify_checkpoint(
     """Check integrity (zip CRCs, header bounds, storage extents, DCP shards) and safety.
 
     Args:
-        path: a checkpoint file or DCP folder.
+        path: a checkpoint file, DCP folder, or Hugging Face shards (folder or index: every shard is
+            checked, and the index against what the shards hold).
         full: read every payload byte (CRC-32s) and try a weights-only load where the
             torch-free checks cannot judge the pickle. ``False`` checks structure only (headers,
             pickles, bounds, shard sizes): what picking a checkpoint to resume from needs.
@@ -110,8 +117,9 @@ def verify_checkpoint(
         report.checks.append(Check("format", "integrity", False, str(e)))
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
-    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp}[report.format]
-    total = p.stat().st_size if p.is_file() else 0
+    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp, HF: _hf}[report.format]
+    total = read_index(p).total_bytes() if report.format == HF else p.stat().st_size if p.is_file() else 0
+    report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
     try:
         report.checks += check(p, full, read)
@@ -228,3 +236,29 @@ def _dcp_entries(p: Path, meta: Any) -> list[Check]:
     if unreadable:
         checks.append(Check("non-tensor entries readable", "integrity", False, f"damaged pickles: {summarize(unreadable)}"))
     return checks
+
+
+def _hf(p: Path, full: bool, progress: Progress | None) -> list[Check]:
+    """Each shard checked as a file of its own (check names prefixed with the shard's), and the index
+    against the tensors the shards hold."""
+    index = read_index(p)
+    checks = [Check("index", "integrity", True, f"{len(index.weight_map)} tensors in {len(index.shards)} shard(s)")]
+    for shard in index.shards:
+        path = index.folder / shard
+        try:
+            fmt = detect_format(path)
+            if fmt not in (ZIP, SAFETENSORS, LEGACY):
+                raise CheckpointFormatError(f"{path}: a {fmt} is not a shard")
+            found = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy}[fmt](path, full, progress)
+        except CkptkitError as e:
+            found = [Check("structure", "integrity", False, str(e))]
+        checks += [dataclasses.replace(c, name=f"{shard}: {c.name}") for c in found]
+    name = "index matches the shards"
+    try:
+        open_source(p, HF).close()  # opens every shard and holds its tensor names against the index
+    except NeedsTorch as e:
+        return [*checks, Check(name, "integrity", True, f"not compared without torch ({e})")]
+    except CheckpointFormatError as e:  # the pickle stand-ins' UnsupportedGlobal included
+        ok = isinstance(e, UnsupportedGlobal)
+        return [*checks, Check(name, "integrity", ok, "not compared: a shard needs torch to list its tensors" if ok else str(e))]
+    return [*checks, Check(name, "integrity", True, "each shard holds exactly the tensors the index puts in it")]

@@ -21,10 +21,20 @@ from .errors import ArgumentError, summarize
 WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
 
 
-def _check_prefix(prefix: str) -> str:
+def check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str) or not prefix.endswith(".") or prefix.strip(".") == "" or ".." in prefix:
         raise ArgumentError(f"prefix must be a dotted module path ending in '.', like 'module.'; got {prefix!r}")
     return prefix
+
+
+def wrapper_names(wrappers: Iterable[str]) -> frozenset[str]:
+    """The path segments of wrapper prefixes: ``{"module", "_orig_mod"}`` for the defaults."""
+    return frozenset(check_prefix(w)[:-1] for w in wrappers)
+
+
+def canonical_key(key: str, names: frozenset[str]) -> str:
+    """``key`` without its wrapper segments (``names``): ``module.enc._orig_mod.w`` -> ``enc.w``."""
+    return ".".join(p for p in key.split(".") if p not in names)
 
 
 def _rebuild(
@@ -57,23 +67,17 @@ def _rebuild(
 
 
 def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict[str, Any]:
-    """Remove ``prefix`` from the start of every key that has it.
+    """Remove ``prefix`` (ending in ``.``) from the start of every key that has it, into a new
+    ordered dict with the same values and ``_metadata`` renamed to match.
 
     Unlike ``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present`` it does not
     modify its input, and it keeps key order (pytorch/pytorch#106942).
-
-    Args:
-        state_dict: a model state dict (any mapping of names to values).
-        prefix: the wrapper prefix, ending in ``.``.
-
-    Returns:
-        A new ordered dict with the same values and ``_metadata`` renamed to match.
 
     Example:
         >>> dict(strip_prefix({"module.fc.weight": 1, "module.fc.bias": 2}))
         {'fc.weight': 1, 'fc.bias': 2}
     """
-    _check_prefix(prefix)
+    check_prefix(prefix)
     root = prefix[:-1]
 
     def path(p: str) -> str | None:
@@ -93,7 +97,7 @@ def add_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> Ordere
         >>> dict(add_prefix({"fc.weight": 1}))
         {'module.fc.weight': 1}
     """
-    _check_prefix(prefix)
+    check_prefix(prefix)
     root = prefix[:-1]
     out = _rebuild(state_dict, lambda k: prefix + k, lambda p: f"{root}.{p}" if p else root)
     meta = getattr(out, "_metadata", None)
@@ -140,7 +144,7 @@ def detect_prefixes(
         >>> detect_prefixes({"_orig_mod.module.fc.weight": 0}).leading
         ('_orig_mod.', 'module.')
     """
-    names = {_check_prefix(w)[:-1] for w in wrappers}
+    names = wrapper_names(wrappers)
     split = [k.split(".") for k in state_dict]
     if not split:
         return PrefixInfo()
@@ -218,10 +222,10 @@ def adapt_state_dict(
         >>> dict(adapt_state_dict({"module._orig_mod.fc.weight": 0}, ["fc.weight"]))
         {'fc.weight': 0}
     """
-    names = frozenset(_check_prefix(w)[:-1] for w in wrappers)
+    names = wrapper_names(wrappers)
 
     def canon(key: str) -> str:
-        return ".".join(p for p in key.split(".") if p not in names)
+        return canonical_key(key, names)
 
     keys, modules = _target_keys(target)
     by_canon: dict[str, str | None] = {}

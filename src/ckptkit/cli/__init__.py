@@ -8,7 +8,13 @@ public API (``ckptkit``, ``ckptkit.errors``): they are its first clients.
 
 from __future__ import annotations
 
-from . import commands, launch  # noqa: F401  (importing them registers the commands)
-from .base import main
+import sys
+
+try:
+    from . import commands, launch  # noqa: F401  (importing them registers the commands)
+    from .base import main
+except KeyboardInterrupt:  # Ctrl-C while the command line loads: one line, not a traceback
+    sys.stderr.write("ckptkit: error: stopped by SIGINT; nothing was written\n")
+    sys.exit(130)
 
 __all__ = ["main"]

@@ -32,6 +32,27 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP while the body runs (torch's start-up), then raise them.
+
+    An interrupt raised inside torch's import lands in C++ that calls back into Python. Seen
+    here under load: the process aborting (pybind11 ``error_already_set``, exit -6), or ending by
+    SIGINT after its one error line (exit -2), instead of exiting 130 with that line.
+    """
+    got: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _: got.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got and got[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if got:
+        raise Stopped(got[0])
+
+
+@contextlib.contextmanager
 def _stop_on_signals() -> Iterator[None]:
     """SIGTERM (a scheduler, ``timeout``) and SIGHUP (a closed terminal) unwind like Ctrl-C:
     a half-written output is removed on the way out instead of being left behind."""

@@ -31,36 +31,49 @@ ALLOW_GLOBAL = click.option(
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling of SRC. Only for files you trust.")
 @ALLOW_GLOBAL
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--max-shard-size", metavar="SIZE",
+              help="Write DST as a folder of Hugging Face safetensors shards of at most SIZE (bytes, or 5GB, 500MB).")  # fmt: skip
+@click.option("--format", "out_format", type=click.Choice(["dcp"]), default=None,
+              help="dcp: write DST as a torch.distributed.checkpoint folder (default: the format DST's suffix names).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tuple[str, ...], add: tuple[str, ...],
             model_only: bool, key: str | None, trust: bool, allow_global: tuple[str, ...], force: bool,
-            as_json: bool) -> None:  # fmt: skip
+            max_shard_size: str | None, out_format: Literal["dcp"] | None, as_json: bool) -> None:  # fmt: skip
     """Rewrite SRC's weight names for another wrapping into DST (format by DST suffix).
 
     Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
     they were unless --model-only. DST appears only when complete; SRC is never modified.
+    SRC may be Hugging Face shards (their folder or index); a DST ending in / (or an existing
+    folder, or --max-shard-size) is written as Hugging Face safetensors shards (default 5GB each).
     """
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
         report = convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
-                                    trust=trust, allow_globals=allow_global, force=force, progress=progress)  # fmt: skip
+                                    trust=trust, allow_globals=allow_global, force=force, progress=progress,
+                                    max_shard_size=max_shard_size, format=out_format)  # fmt: skip
     if as_json:
         emit_json(report.to_dict())
         return
     if report.pickled_module:
         click.echo(f"note: {src} holds a pickled {report.pickled_module} module; its state_dict() was read without running the pickle",
                    err=True)  # fmt: skip
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
     if report.fallback_reason:
         click.echo(f"note: {report.fallback_reason}", err=True)
     if report.dropped:
         click.echo(f"note: not written (--model-only): {', '.join(report.dropped)}", err=True)
     for where in report.left:
         click.echo(f"note: '{where}' also holds wrapped weights, left as they were; convert them with --key {where}", err=True)
-    if report.tied:
+    if report.tied and report.shards:
+        click.echo(f"note: stored once, as huggingface_hub does (the other name is in the index metadata): {', '.join(report.tied)}. "
+                   "ckptkit.load_for_rank re-ties them; transformers' models tie them themselves", err=True)  # fmt: skip
+    elif report.tied:
         click.echo(f"note: stored once and re-tied on load: {', '.join(report.tied)}. Load with ckptkit.load_for_rank "
                    "or safetensors.torch.load_model; load_file + a strict load_state_dict would miss them", err=True)  # fmt: skip
     where = f" (weights at '{report.weights_at}')" if report.weights_at else ""
     stored = f" ({report.tensors - len(report.tied)} stored)" if report.tied else ""
+    stored += f" in {report.shards} shards" if report.shards > 1 else ""
     click.echo(
         f"{report.destination}: {report.tensors} tensors{stored}{where}, {report.renamed} renamed "
         f"({report.prefix_before or 'no prefix'} -> {report.prefix_after or 'no prefix'}), "
@@ -79,6 +92,8 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
 def inspect(file: str, key: str | None, show_all: bool, trust: bool, allow_global: tuple[str, ...], as_json: bool) -> None:
     """Summarise FILE: layout, where the weights are, wrapper prefixes, tensors, metadata."""
     summary = inspect_checkpoint(file, key=key, trust=trust, allow_globals=allow_global)
+    for note in [] if as_json else summary.notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
         emit_json(summary.to_dict())
     else:
@@ -108,6 +123,8 @@ def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str
     with progress_bar(a, b, threshold=BIG, enabled=not as_json) as progress:
         report = diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust,
                                   allow_globals=allow_global, progress=progress)  # fmt: skip
+    for note in [] if as_json else report.notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
         emit_json(report.to_dict())
     else:
@@ -123,6 +140,8 @@ def verify(file: str, as_json: bool) -> None:
     """Check FILE's integrity (CRCs, bounds, shards) and that it loads without --trust. Exit 1 if not."""
     with progress_bar(file, threshold=BIG, enabled=not as_json) as progress:
         report = verify_checkpoint(file, progress=progress)
+    for note in [] if as_json else report.notes:
+        click.echo(f"note: {note}", err=True)
     if as_json:
         emit_json(report.to_dict())
     else:

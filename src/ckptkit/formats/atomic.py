@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import platform
 import re
-import secrets
-import socket
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -22,11 +22,11 @@ from typing import BinaryIO
 from ..errors import CheckpointWriteError
 
 TMP_SUFFIX = ".ckptkit-tmp"
-_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:16] or "host"
+_HOST = re.sub(r"[^A-Za-z0-9]", "", platform.node())[:16] or "host"  # platform, not socket: a lighter import
 
 
-def _temp_path(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.{_HOST}-{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+def temp_path(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.{_HOST}-{os.getpid()}-{os.urandom(4).hex()}{TMP_SUFFIX}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -40,7 +40,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temps(dest: Path) -> list[Path]:
-    """Delete temp files for ``dest`` left by dead writers on this host; return what was removed.
+    """Delete temp files (and temp folders, :mod:`.atomicdir`'s) for ``dest`` left by dead writers on
+    this host; return what was removed.
 
     Only files whose recorded pid is no longer alive on this host are touched, so a concurrent
     writer (another process, or another host sharing the folder) is never disturbed.
@@ -57,7 +58,10 @@ def remove_stale_temps(dest: Path) -> list[Path]:
         m = pattern.match(entry.name)
         if m and m["host"] == _HOST and not _pid_alive(int(m["pid"])):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
 
@@ -78,7 +82,7 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _describe(e: OSError, dest: Path) -> str:
+def describe_error(e: OSError, dest: Path) -> str:
     folder = dest.parent
     if isinstance(e, PermissionError):
         return f"cannot write {dest}: permission denied in folder {folder}; choose a writable folder"
@@ -110,12 +114,12 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     if dest.is_dir():
         raise CheckpointWriteError(f"cannot write {dest}: it is a folder; give a file path")
     remove_stale_temps(dest)
-    tmp = _temp_path(dest)
+    tmp = temp_path(dest)
     try:
         # 0o666 lets the umask decide, as a plain open() would (mkstemp would force 0o600).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as e:
-        raise CheckpointWriteError(_describe(e, dest)) from e
+        raise CheckpointWriteError(describe_error(e, dest)) from e
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -126,9 +130,9 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
-            raise CheckpointWriteError(_describe(e, dest)) from e
+            raise CheckpointWriteError(describe_error(e, dest)) from e
         raise
     try:
         fsync_dir(folder)
     except OSError as e:
-        raise CheckpointWriteError(_describe(e, dest)) from e
+        raise CheckpointWriteError(describe_error(e, dest)) from e

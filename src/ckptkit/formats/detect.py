@@ -16,11 +16,14 @@ from typing import BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError, UnsupportedCheckpointError
 
-Format = Literal["torch-zip", "torch-legacy", "safetensors", "dcp"]
+Format = Literal["torch-zip", "torch-legacy", "safetensors", "dcp", "hf-sharded"]
 ZIP: Format = "torch-zip"
 LEGACY: Format = "torch-legacy"
 SAFETENSORS: Format = "safetensors"
 DCP: Format = "dcp"
+HF: Format = "hf-sharded"  # Hugging Face shards + index (save_pretrained, huggingface_hub.save_torch_state_dict)
+HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # in the order a folder is read
+HF_SINGLE = ("model.safetensors", "pytorch_model.bin")  # what they write, without an index, for one shard
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # pickle of 0x1950a86a20f9469cfc6c
 
 
@@ -37,7 +40,10 @@ def check_exists(path: str | os.PathLike[str]) -> Path:
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
-    """Return ZIP, LEGACY, SAFETENSORS or DCP for ``path``.
+    """Return ZIP, LEGACY, SAFETENSORS, DCP or HF for ``path``.
+
+    HF is a folder holding one of ``HF_INDEXES`` (or, for one shard, ``HF_SINGLE``), or such an
+    index file itself (``*.index.json``).
 
     Raises:
         CheckpointNotFoundError: nothing is at ``path``.
@@ -49,9 +55,14 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     if p.is_dir():
         if (p / ".metadata").is_file():
             return DCP
+        if any((p / name).is_file() for name in (*HF_INDEXES, *HF_SINGLE)):
+            return HF
         raise CheckpointFormatError(
-            f"{p}: is a folder without a .metadata file, so not a torch.distributed.checkpoint; give a file"
+            f"{p}: is a folder without a .metadata file (a torch.distributed.checkpoint) or a "
+            f"{' or '.join(HF_INDEXES)} (Hugging Face shards); give a file"
         )
+    if p.name.endswith(".index.json"):
+        return HF
     size = p.stat().st_size
     with open(p, "rb") as f:
         head = f.read(16)
@@ -68,7 +79,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
             return SAFETENSORS
     raise CheckpointFormatError(
         f"{p}: not a checkpoint ckptkit knows (expected a torch zip or legacy file, safetensors, "
-        f"or a torch.distributed.checkpoint folder; first bytes {head[:8].hex()})"
+        f"a torch.distributed.checkpoint folder, or Hugging Face shards' folder or *.index.json; first bytes {head[:8].hex()})"
     )
 
 

@@ -23,8 +23,9 @@ from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from . import modulepickle as mp
 from . import torchpickle as tp
 from .bounds import storage_problem, tensor_problems, tensors_in
-from .detect import SAFETENSORS, ZIP
+from .detect import HF, SAFETENSORS, ZIP, detect_format
 from .fileio import Progress, crc32, crc_of_range
+from .hfshards import read_index
 from .safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
 from .torchzip import Record, TorchZip
 
@@ -192,7 +193,11 @@ def check_recorded_crcs(path: str | os.PathLike[str], fmt: str, *, progress: Pro
         >>> check_recorded_crcs("model.pt", "torch-zip")  # doctest: +SKIP
     """
     source = os.fspath(path)
-    if fmt == ZIP:
+    if fmt == HF:
+        index = read_index(source)
+        for shard in index.shards:
+            check_recorded_crcs(index.folder / shard, detect_format(index.folder / shard), progress=progress)
+    elif fmt == ZIP:
         with TorchZip(source) as z:
             pickled = functools.cache(lambda: _stand_ins(z))
             damage = Damage(source, lambda rec: record_tensors(z, pickled(), rec.name))

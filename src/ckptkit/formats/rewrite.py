@@ -1,7 +1,8 @@
 """Checkpoint rewriting without torch: names change, tensor bytes are copied as they are.
 
-A source is opened as its containers with leaf references (:class:`TensorRef` for torch zip,
-:class:`StRef` for safetensors) that know where their bytes lie. Writers for either output
+A source is opened (:mod:`.source`) as its containers with leaf references (:class:`TensorRef`
+for torch zip, :class:`StRef` for safetensors) that know where their bytes lie, in one file or,
+for Hugging Face shards, in each leaf's own. Writers for either output
 format copy those byte ranges kernel-side, checking each against the CRC-32 the source records
 for it (zip records; ckptkit's ``ckptkit.crc32`` in safetensors) as it is copied: a damaged
 source fails, naming its damaged tensors, instead of becoming a second damaged file. Anything
@@ -16,118 +17,54 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ArgumentError, CheckpointFormatError, summarize
-from . import modulepickle as mp
 from . import torchpickle as lp
-from .bounds import check_tensors
-from .detect import SAFETENSORS, ZIP
+from .detect import SAFETENSORS
 from .dtypes import BY_NAME, BY_SAFETENSORS
 from .fileio import Progress, copy_range, crc_of_range
 from .integrity import Damage, record_crc, record_tensors, tensors_named
-from .safetensors import (
-    ALIASES_KEY,
-    CRC_KEY,
-    crc_metadata,
-    encode_header,
-    insert_aliases,
-    parse_aliases,
-    parse_crcs,
-    read_header,
-    write_with_crcs,
-)
-from .torchzip import Record, TorchZip, ZipWriter
+from .safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, write_with_crcs
+from .source import NeedsTorch, Source, StRef, is_leaf, open_source
+from .torchzip import Record, ZipWriter
+
+__all__ = ["NeedsTorch", "Source", "StRef", "is_leaf", "locate", "new_tensor", "open_source", "rename_safetensors",
+           "write_safetensors", "write_torch_zip"]  # fmt: skip
+
+_GLOBALS: dict[tuple[str, str], lp.Global] = {}
 
 
-class NeedsTorch(Exception):
-    """This source cannot be rewritten without loading it with torch (the reason is the message)."""
+def _global(module: str, name: str) -> lp.Global:
+    """One stand-in a name, so a pickle written from new tensors memoizes each global once."""
+    return _GLOBALS.setdefault((module, name), lp.Global(module, name))
 
 
-@dataclass(eq=False)  # identity matters: aliases are the same object
-class StRef:
-    """A tensor in a safetensors file: dtype, shape, absolute byte range, recorded CRC-32."""
+def new_tensor(key: str, dtype: str, shape: tuple[int, ...]) -> lp.TensorRef:
+    """A contiguous CPU tensor over all of storage ``key``, as ``torch.save`` pickles one.
 
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    length: int
-    crc: int | None = None
-
-
-@dataclass
-class Source:
-    """An opened checkpoint: its object tree with byte-locating leaves.
-
-    ``file`` is the one open file everything is read from, so that a source replaced on disk
-    meanwhile (``os.replace`` by a running trainer) is still read as the version opened.
+    Example:
+        >>> t = new_tensor("0", "bfloat16", (2, 3))
+        >>> t.dtype, t.stride, t.storage.numel
+        ('bfloat16', (3, 1), 6)
     """
-
-    path: Path
-    fmt: str
-    obj: Any
-    file: BinaryIO
-    zip: TorchZip | None = None
-    metadata: dict[str, str] | None = None
-    data_start: int = 0
-    module: str = ""  # a whole pickled module's class (``DataParallel(ToyCNN)``): obj is its state_dict()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def is_leaf(value: Any) -> bool:
-    return lp.is_tensor(value) or isinstance(value, StRef)
-
-
-def open_source(path: Path, fmt: str) -> Source:
-    """Read a torch zip's pickle (through stand-ins) or a safetensors header; no tensor bytes."""
-    if fmt not in (ZIP, SAFETENSORS):
-        raise NeedsTorch(f"{fmt} input")
-    f = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed by its user
-    try:
-        return _read_source(path, fmt, f)
-    except BaseException:
-        f.close()
-        raise
-
-
-def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
-    if fmt == ZIP:
-        z = TorchZip(path, file=f)
-        data, name = z.read(f"{z.prefix}data.pkl"), ""
-        try:
-            pickled = lp.loads(data)
-        except lp.UnsupportedGlobal as e:
-            try:  # a whole pickled module (torch.save(model)): its state_dict(), nothing run
-                module = mp.read_module(data)  # or UnsafeModulePickle, for the caller to refuse
-            except mp.NotAModule:
-                raise e from None
-            except mp.Unmodelled as why:
-                raise NeedsTorch(f"pickled module: {why}") from None
-            except CheckpointFormatError as why:
-                raise CheckpointFormatError(f"{path}: pickled module: {why}") from None
-            pickled, name = module.state, module.description
-        check_tensors(pickled, z, str(path))  # storages are copied as they are: refuse broken views now
-        return Source(path, fmt, pickled, f, zip=z, module=name)
-    # SAFETENSORS (open_source admits no other format)
-    header, start = read_header(f, source=str(path))
-    meta = dict(header.pop("__metadata__", None) or {})
-    crcs = parse_crcs(meta, str(path))
-    obj: OrderedDict[str, Any] = OrderedDict(
-        (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0],
-                     e["data_offsets"][1] - e["data_offsets"][0], crcs.get(name)))  # fmt: skip
-        for name, e in header.items()
-    )
-    obj = insert_aliases(obj, parse_aliases(meta, obj, str(path)))
-    return Source(path, fmt, obj, f, metadata=meta, data_start=start)
+    d = BY_NAME[dtype]
+    numel = math.prod(shape)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    hooks: OrderedDict[str, Any] = OrderedDict()
+    if d.storage is not None:
+        storage = lp.StorageRef(("storage", _global("torch", d.storage), key, "cpu", numel))
+        return lp.TensorRef(_global("torch._utils", "_rebuild_tensor_v2"), (storage, 0, shape, stride, False, hooks))
+    storage = lp.StorageRef(("storage", _global("torch.storage", "UntypedStorage"), key, "cpu", numel * d.itemsize))
+    return lp.TensorRef(_global("torch._utils", "_rebuild_tensor_v3"), (storage, 0, shape, stride, False, hooks, _global("torch", d.name)))
 
 
 @dataclass
 class _Bytes:
-    """Where a leaf's bytes are; ``crc``: the CRC-32 recorded for exactly them; ``key``: what a
-    mismatch names (the StRef, or the zip record, CRC'd whole where the bytes are a view's)."""
+    """Where a leaf's bytes are: in ``part``'s file (the source's own, or one shard's); ``crc``: the
+    CRC-32 recorded for exactly them; ``key``: what a mismatch names (the StRef, or the zip record,
+    CRC'd whole where the bytes are a view's); ``storage``, ``storage_size``: the storage they
+    view (what huggingface_hub's split groups and counts), ``complete``: they are all of it."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -135,49 +72,64 @@ class _Bytes:
     length: int
     ident: Any
     crc: int | None
-    key: StRef | Record
+    key: StRef | tuple[Source, Record]
+    part: Source
+    storage: Any
+    storage_size: int
+    complete: bool
 
 
-def _locate(src: Source, ref: Any, name: str) -> _Bytes:
+def locate(src: Source, ref: Any, name: str) -> _Bytes:
     """Where the bytes of leaf ``name`` are, as safetensors would store them."""
+    part = src.part(ref)
     if isinstance(ref, StRef):
-        return _Bytes(ref.dtype, ref.shape, ref.start, ref.length, ref, ref.crc, ref)
+        return _Bytes(ref.dtype, ref.shape, ref.start, ref.length, ref, ref.crc, ref, part, ref, ref.length, True)
     t = lp.tensor_of(ref)
-    if t is None or src.zip is None:
+    if t is None or part.zip is None:
         raise NeedsTorch(f"{name} is not a plain tensor")
-    if src.zip.byteorder != "little":  # safetensors is little-endian: torch swaps the bytes on load
-        raise NeedsTorch(f"{src.path} was saved big-endian")
+    if part.zip.byteorder != "little":  # safetensors is little-endian: torch swaps the bytes on load
+        raise NeedsTorch(f"{part.path} was saved big-endian")
     st = BY_NAME[t.dtype].safetensors if t.dtype in BY_NAME else None
     if st is None:
-        raise ArgumentError(f"{src.path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store; use a .pt output")
+        raise ArgumentError(f"{part.path}: tensor {name} has dtype {t.dtype}, which safetensors cannot store; use a .pt output")
     if not t.is_contiguous():
         raise NeedsTorch(f"tensor {name} is not contiguous")
-    rec = src.zip.storage(t.storage.key)
+    rec = part.zip.storage(t.storage.key)
     if rec.method != 0:
         raise NeedsTorch(f"storage of {name} is compressed")
     start, length = t.byte_range()
     if start < 0 or start + length > rec.size:
-        raise CheckpointFormatError(f"{src.path}: tensor {name} reaches past the end of its storage record")
-    ident = (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
+        raise CheckpointFormatError(f"{part.path}: tensor {name} reaches past the end of its storage record")
+    storage = (id(part), t.storage.key)  # storage keys repeat across shards
+    ident = (*storage, t.offset, t.shape, t.stride, t.dtype)
     if start == 0 and length == rec.size:  # the zip's CRC covers exactly these bytes
-        return _Bytes(st, t.shape, rec.data_offset, length, ident, rec.crc, rec)
-    return _Bytes(st, t.shape, rec.data_offset + start, length, ident, None, rec)
+        return _Bytes(st, t.shape, rec.data_offset, length, ident, rec.crc, (part, rec), part, storage, rec.size, True)
+    return _Bytes(st, t.shape, rec.data_offset + start, length, ident, None, (part, rec), part, storage, rec.size, False)
 
 
 def _damage(src: Source) -> Damage:
-    """Mismatches named by where their tensors are in the source (``fc1.weight``), for a StRef or a
-    zip Record; raised once the copy is done (the atomic writer's temp file goes with the error)."""
+    """Mismatches named by where their tensors are in the source (``fc1.weight``, and the shard for
+    a sharded one), for a StRef or a zip Record; raised once the copy is done (the atomic
+    writer's temp file goes with the error)."""
 
-    def name(key: StRef | Record) -> str:
+    def name(key: StRef | tuple[Source, Record]) -> str:
         if isinstance(key, StRef):
-            return tensors_named([n for n, ref in src.obj.items() if ref is key])  # aliases share one StRef
-        return record_tensors(src.zip, src.obj, key.name) if src.zip is not None else key.name
+            part, text = src.part(key), tensors_named([n for n, ref in src.obj.items() if ref is key])  # aliases share one StRef
+        else:
+            part, rec = key
+            text = record_tensors(part.zip, part.obj, rec.name) if part.zip is not None else rec.name
+        return text if part is src else f"{text} of shard {part.path.name}"
 
     return Damage(str(src.path), name)
 
 
-def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
-    """Write ``state`` (leaves of ``src``) as safetensors; returns tensor bytes written."""
+def write_safetensors(
+    f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None, *, metadata: dict[str, str] | None = None
+) -> int:
+    """Write ``state`` (leaves of ``src``) as safetensors; returns tensor bytes written.
+
+    ``metadata``: the header's (default: a safetensors source's own, else ``{"format": "pt"}``).
+    """
     bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not is_leaf(v)]
     if bad:
         raise ArgumentError(f"{src.path}: safetensors holds only tensors; not tensors: {summarize(bad)}")
@@ -187,28 +139,28 @@ def write_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progre
     first: dict[Any, str] = {}
     position = {k: i for i, k in enumerate(state)}
     for name, ref in state.items():
-        b = _locate(src, ref, name)
+        b = locate(src, ref, name)
         if b.ident in first and b.length:
             aliases[name] = [first[b.ident], position[name]]
             continue
         first[b.ident] = name
         entries.append((name, b.dtype, list(b.shape), b.length))
         copies.append((name, b))
-    meta = dict(src.metadata or {}) if src.fmt == SAFETENSORS else {"format": "pt"}
+    meta = dict(metadata if metadata is not None else src.metadata or {} if src.fmt == SAFETENSORS else {"format": "pt"})
     meta.pop(ALIASES_KEY, None)
     meta.pop(CRC_KEY, None)
     if aliases:
         meta[ALIASES_KEY] = json.dumps(aliases)
-    fs = src.file
     damage = _damage(src)
 
     def write_data(crcs: dict[str, int]) -> None:
-        whole: set[str] = set()
+        whole: set[Any] = set()
         for name, b in copies:
-            if isinstance(b.key, Record) and b.crc is None and b.key.name not in whole and src.zip is not None:
-                whole.add(b.key.name)  # a view: the zip's CRC-32 is its whole storage's, checked once
-                damage.check(b.key, b.key.crc, record_crc(src.zip, b.key))
-            crcs[name] = copy_range(fs, f, b.offset, b.length, progress, crc=True)
+            if isinstance(b.key, tuple) and b.crc is None and b.storage not in whole and b.part.zip is not None:
+                whole.add(b.storage)  # a view: the zip's CRC-32 is its whole storage's, checked once
+                damage.check(b.key, b.key[1].crc, record_crc(b.part.zip, b.key[1]))
+            assert b.part.file is not None  # a part is one open file
+            crcs[name] = copy_range(b.part.file, f, b.offset, b.length, progress, crc=True)
             if b.crc is not None:
                 damage.check(b.key, b.crc, crcs[name])
         damage.raise_if_any()
@@ -242,6 +194,7 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
     if not any(r.crc is not None for r in stored):  # nothing recorded to check against: one copy
         stored = [StRef("", (), src.data_start, sum(r.length for r in stored))]
     damage = _damage(src)
+    assert src.file is not None  # one safetensors file
     for ref in stored:
         read = copy_range(src.file, f, ref.start, ref.length, progress, crc=ref.crc is not None)
         if ref.crc is not None:
@@ -252,7 +205,7 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
 
 def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:
     """Write ``obj`` (containers with leaves of ``src``) as a torch zip checkpoint."""
-    if src.zip is not None:
+    if src.zip is not None and src.file is not None:
         data, keys = lp.dumps(obj)
         used = set(keys)
         z = src.zip
@@ -266,7 +219,7 @@ def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | Non
                 continue  # a storage only dropped entries used (e.g. the optimizer's, with weights_only)
             else:
                 read = w.add_copy(rec.name, src.file, rec, progress)
-                damage.check(rec, rec.crc, read if read is not None else record_crc(z, rec))  # None: compressed
+                damage.check((src, rec), rec.crc, read if read is not None else record_crc(z, rec))  # None: compressed
                 total += rec.compressed_size
         damage.raise_if_any()
         w.close()
@@ -275,44 +228,31 @@ def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | Non
 
 
 def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:
-    rebuild_v2 = lp.Global("torch._utils", "_rebuild_tensor_v2")
-    rebuild_v3 = lp.Global("torch._utils", "_rebuild_tensor_v3")
-    untyped = lp.Global("torch.storage", "UntypedStorage")
     made: dict[int, lp.TensorRef] = {}
     ranges: list[StRef] = []
 
     def to_tensor(ref: StRef) -> lp.TensorRef:
         if id(ref) in made:
             return made[id(ref)]  # the same object again: pickled once, tied on load
-        key, numel = str(len(ranges)), math.prod(ref.shape)
-        stride = tuple(math.prod(ref.shape[i + 1 :]) for i in range(len(ref.shape)))
-        hooks: OrderedDict[str, Any] = OrderedDict()
-        dtype = BY_SAFETENSORS[ref.dtype]
-        if dtype.storage is not None:
-            storage = lp.StorageRef(("storage", lp.Global("torch", dtype.storage), key, "cpu", numel))
-            t = lp.TensorRef(rebuild_v2, (storage, 0, ref.shape, stride, False, hooks))
-        else:
-            storage = lp.StorageRef(("storage", untyped, key, "cpu", ref.length))
-            t = lp.TensorRef(rebuild_v3, (storage, 0, ref.shape, stride, False, hooks, lp.Global("torch", dtype.name)))
+        made[id(ref)] = new_tensor(str(len(ranges)), BY_SAFETENSORS[ref.dtype].name, ref.shape)
         ranges.append(ref)
-        made[id(ref)] = t
-        return t
+        return made[id(ref)]
 
     if not isinstance(obj, Mapping):
         raise NeedsTorch("safetensors source is not a mapping")
+    if any(p.fmt != SAFETENSORS for p in src.parts):
+        raise NeedsTorch("torch zip shards into one torch zip")
     converted = OrderedDict((k, to_tensor(v)) for k, v in obj.items())
-    data, _ = lp.dumps(converted)
     w = ZipWriter(f, alignment=64)
-    prefix = "archive/"
-    for name, payload in ((f"{prefix}data.pkl", data), (f"{prefix}.format_version", b"1"),
-                          (f"{prefix}.storage_alignment", b"64"), (f"{prefix}byteorder", b"little")):  # fmt: skip
-        w.add_bytes(name, payload)
+    prefix = w.start_torch_archive(lp.dumps(converted)[0])
     damage = _damage(src)
     for i, ref in enumerate(ranges):
         # A zip record's CRC-32 precedes its bytes: the recorded one if the source has it, else
         # one read first; either way the bytes are CRC'd again as copied, and must agree.
-        crc = ref.crc if ref.crc is not None else crc_of_range(src.file, ref.start, ref.length)
-        damage.check(ref, crc, w.add_range(f"{prefix}data/{i}", src.file, ref.start, ref.length, crc, progress))
+        file = src.part(ref).file
+        assert file is not None  # a part is one open file
+        crc = ref.crc if ref.crc is not None else crc_of_range(file, ref.start, ref.length)
+        damage.check(ref, crc, w.add_range(f"{prefix}data/{i}", file, ref.start, ref.length, crc, progress))
     damage.raise_if_any()
     w.finish_torch_archive(prefix)
     w.close()

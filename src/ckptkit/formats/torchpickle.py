@@ -260,17 +260,20 @@ def storage_nbytes(ref: StorageRef) -> int:
     return ref.numel * size
 
 
-def loads(data: bytes | BinaryIO, *, on_storage: Callable[[StorageRef], None] | None = None) -> Any:
+def loads(
+    data: bytes | BinaryIO, *, on_storage: Callable[[StorageRef], None] | None = None, unpickler: type[_Unpickler] | None = None
+) -> Any:
     """Unpickle a torch ``data.pkl`` into containers with stand-in leaves.
 
-    ``on_storage`` sees every storage reference as it is read (to bound declared sizes).
+    ``on_storage`` sees every storage reference as it is read (to bound declared sizes);
+    ``unpickler``: a subclass with other stand-ins (DCP's ``.metadata``), the same guards.
 
     Raises:
         UnsupportedGlobal: a global outside the allowlist (nothing was run).
         CheckpointFormatError: the bytes are not a well-formed torch pickle.
     """
     try:
-        return _Unpickler(io.BytesIO(data) if isinstance(data, bytes) else data, on_storage).load()
+        return (unpickler or _Unpickler)(io.BytesIO(data) if isinstance(data, bytes) else data, on_storage).load()
     except CheckpointFormatError:
         raise
     except PICKLE_ERRORS as e:

@@ -14,6 +14,7 @@ import os
 import re
 import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -77,7 +78,7 @@ class TorchZip:
 
     def _open(self) -> None:
         f = self.file
-        size = os.fstat(f.fileno()).st_size
+        size = f.seek(0, os.SEEK_END)  # not fstat: ``file`` may be a SliceReader, a zip inside another file
         try:
             zf = zipfile.ZipFile(f)
             central = zf.infolist()
@@ -169,6 +170,33 @@ class TorchZip:
 
 
 
+class SliceReader:
+    """A read-only view of ``length`` bytes of ``f`` from ``start``: a file embedded in another
+    (each tensor chunk of a DCP ``.distcp`` file is a whole torch zip), read as if it were alone."""
+
+    def __init__(self, f: BinaryIO, start: int, length: int) -> None:
+        self._f, self.start, self.length = f, start, length
+        self._pos = 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self.length)[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(0, self.length - self._pos)
+        n = left if n is None or n < 0 else min(n, left)
+        data = os.pread(self._f.fileno(), n, self.start + self._pos) if n else b""
+        self._pos += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return True
+
+
 class ZipWriter:
     """Writes stored records with torch's alignment padding, zip64 where sizes need it."""
 
@@ -199,14 +227,25 @@ class ZipWriter:
         The CRC is computed while the bytes are written (fileio.write_checked), then patched into
         the local header written before them: one pass over the data.
         """
-        size = memoryview(buf).nbytes
+        return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress))
+
+    def add_written(self, name: str, size: int, write: Callable[[], int]) -> int:
+        """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
+        of a tensor copied from several files); the CRC is patched into the header afterwards."""
         self._header(name.encode(), 0, size, size, zipfile.ZIP_STORED)
-        crc = write_checked(self.f, buf, progress)
+        crc = write()
         name_b, _, csize, size_, method, offset = self.entries[-1]
         self.entries[-1] = (name_b, crc, csize, size_, method, offset)
         self.f.flush()  # the header must be on the file before its CRC field is patched there
         os.pwrite(self.f.fileno(), struct.pack("<I", crc), offset + 14)  # the local header's CRC-32 field
         return crc
+
+    def start_torch_archive(self, pickled: bytes, prefix: str = "archive/") -> str:
+        """torch's opening records: ``data.pkl`` and the small ones before the storages; returns
+        ``prefix``, under which ``data/<key>`` records then go."""
+        for name, payload in (("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
+            self.add_bytes(f"{prefix}{name}", payload)
+        return prefix
 
     def finish_torch_archive(self, prefix: str) -> None:
         """torch's closing records: ``version`` and an id derived from every record written."""

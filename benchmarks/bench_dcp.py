@@ -1,0 +1,140 @@
+"""Speed and memory of ``ckptkit convert ckpt.dcp single.pt`` against ``cp -r`` of the folder.
+
+    python benchmarks/bench_dcp.py --gib 1 --runs 3          # time, interleaved with cp -r
+    python benchmarks/bench_dcp.py --gib 4 --only-memory     # peak private memory at 4 GiB
+
+The folder is saved by FSDP2 (``fully_shard``) on 2 gloo ranks: a GPT-like model (the shapes of
+bench_convert.py's) built on the meta device, so each rank holds only its shards. Each run does
+``cp -r``, ``cp -r && sync`` and the convert, in turn, so a change in the machine's load reaches
+all three alike; the table gives min / median / max wall seconds. Memory is the peak ``RssAnon``
+(private memory) sampled as bench_convert.py does. ckptkit fsyncs what it writes; ``cp`` does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_convert import gpt_dims, run, warm  # noqa: E402
+
+NAIVE = """
+import sys
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+"""
+
+
+def _save_rank(rank: int, world: int, rdzv: str, folder: str, gib: float) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    d, vocab, ff, layers = gpt_dims(gib)
+
+    class Block(nn.Module):  # fully_shard wants modules with a forward; saving never calls it
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.ln2, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, ff), nn.Linear(ff, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.layers = nn.Embedding(vocab, d), nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = GPT()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(generator=g)
+        dcp.save(model.state_dict(), checkpoint_id=folder)
+    finally:
+        dist.destroy_process_group()
+
+
+def make_dcp(folder: Path, gib: float) -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_save_rank, args=(2, os.path.join(tmp, "rdzv"), str(folder), gib), nprocs=2, join=True)
+
+
+def _clear(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    os.sync()  # no dirty pages left over from the previous run to slow this one
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
+    ap.add_argument("--only-memory", action="store_true", help="only ckptkit's convert, once (for big --gib)")
+    ap.add_argument("--naive", action="store_true", help="also torch's dcp_to_torch_save (whole state dict in memory)")
+    args = ap.parse_args()
+    scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-dcp-"))
+    try:
+        src = scratch / "ckpt.dcp"
+        make_dcp(src, args.gib)
+        size = sum(p.stat().st_size for p in src.iterdir())
+        for p in src.iterdir():
+            warm(p)
+        copy, out = scratch / "copy.dcp", scratch / "single.pt"
+        ck = [sys.executable, "-m", "ckptkit.cli", "convert", str(src), str(out)]
+        cases = [("ckptkit convert ckpt.dcp single.pt", ck, out)]
+        if not args.only_memory:
+            cases = [("cp -r ckpt.dcp", ["cp", "-r", str(src), str(copy)], copy),
+                     ("cp -r ckpt.dcp && sync", ["sh", "-c", f"cp -r {src} {copy} && sync {copy}/*"], copy), *cases]  # fmt: skip
+        if args.naive:
+            cases.append(("torch dcp_to_torch_save", [sys.executable, "-c", NAIVE, str(src), str(out)], out))
+        times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+        mems: dict[str, int] = dict.fromkeys(times, 0)
+        for _ in range(1 if args.only_memory else args.runs):
+            for name, cmd, target in cases:  # interleaved: one of each per round
+                _clear(target)
+                t, m = run(cmd)
+                times[name].append(t)
+                mems[name] = max(mems[name], m)
+        out_size = out.stat().st_size
+        base = statistics.median(times[cases[0][0]])
+        print(f"\nDCP folder: {size / 2**30:.2f} GiB in {len(list(src.iterdir()))} files ({size:,} bytes), saved by FSDP2 "
+              f"on 2 ranks; single.pt {out_size:,} bytes; {len(times[cases[0][0]])} interleaved run(s)\n")  # fmt: skip
+        print("| command | min s | median s | max s | x first row (median) | peak RssAnon MiB |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"| {name} | {min(ts):.3f} | {med:.3f} | {max(ts):.3f} | {med / base:.2f} | {mems[name]} |")
+        subprocess.run(["df", "-h", str(scratch)], check=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

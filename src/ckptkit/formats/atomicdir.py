@@ -1,0 +1,113 @@
+"""Atomic, durable folder replacement: a folder output appears complete or not at all.
+
+The files are written into a temp folder beside the destination (same filesystem), each fsynced
+by its writer; then the temp folder is fsynced and renamed to the destination, and the parent
+fsynced. An existing destination is swapped out in one step (``renameat2(RENAME_EXCHANGE)``,
+Linux) and then removed, so a reader sees the old folder or the new one, never a mix. Temp
+folders carry the writer's host and pid as :mod:`.atomic`'s temp files do, so the next writer
+removes those a killed writer left.
+
+Example:
+    >>> with atomic_folder("out") as tmp:  # doctest: +SKIP
+    ...     (tmp / "model.safetensors").write_bytes(payload)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from ..errors import ArgumentError, CheckpointWriteError, spell, summarize
+from .atomic import describe_error, fsync_dir, remove_stale_temps, temp_path
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the kernel, libc or filesystem cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
+
+
+def _install(tmp: Path, dest: Path) -> None:
+    """Put the finished ``tmp`` at ``dest``, replacing a folder there; the old one goes last."""
+    if not dest.exists():
+        os.rename(tmp, dest)  # onto nothing, or onto an empty folder created meanwhile
+        return
+    if _exchange(tmp, dest):
+        shutil.rmtree(tmp)  # now the old folder
+        return
+    old = temp_path(dest)  # a dead writer's name pattern: the next writer clears it if we die here
+    os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temp folder that replaces ``path`` atomically and durably when the block succeeds.
+
+    Write the files inside the yielded folder and fsync each. On any exception (including
+    KeyboardInterrupt) the temp folder is removed and ``path`` is left as it was. OS errors are
+    re-raised as :class:`CheckpointWriteError` naming the cause. The caller decides whether an
+    existing ``path`` may be replaced.
+    """
+    dest = Path(path)
+    parent = dest.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise CheckpointWriteError(f"cannot write {dest}: {parent} {what}; create the folder first")
+    if dest.exists() and not dest.is_dir():
+        raise CheckpointWriteError(f"cannot write folder {dest}: a file has that name; remove it or choose another")
+    remove_stale_temps(dest)
+    tmp = temp_path(dest)
+    try:
+        os.mkdir(tmp)
+    except OSError as e:
+        raise CheckpointWriteError(describe_error(e, dest)) from e
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        _install(tmp, dest)
+        fsync_dir(parent)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
+            raise CheckpointWriteError(describe_error(e, dest)) from e
+        raise
+
+
+def check_folder_destination(src: Path, dest: Path, *, force: bool, owned: Callable[[str], bool], what: str) -> None:
+    """Raise unless ``dest`` may become a folder output: absent, empty, or (``force``) one holding
+    only files of its own kind (``owned(name)``, described as ``what``), never the source's folder.
+
+    The output replaces the whole folder, so anything else there would be lost with it.
+    """
+    if dest.exists() and not dest.is_dir():
+        raise ArgumentError(f"{dest} is a file; this output is a folder: give a new folder's path, e.g. {dest.with_suffix('')}/")
+    if not dest.is_dir():
+        return
+    if src.resolve() == dest.resolve() or dest.resolve() in src.resolve().parents:
+        raise ArgumentError(f"{dest} holds the source {src}; write to another folder (SRC is never modified)")
+    present = sorted(e.name for e in os.scandir(dest))
+    if present and not force:
+        raise ArgumentError(f"{dest} exists and is not empty; pass {spell('force=True', '--force')} to replace it")
+    others = [n for n in present if not owned(n)]
+    if others:
+        raise ArgumentError(
+            f"{dest} holds {summarize(others)} besides {what}; the output replaces the whole folder, "
+            "so write to a new folder (or move those files out first)"
+        )

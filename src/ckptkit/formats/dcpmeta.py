@@ -1,0 +1,212 @@
+"""A torch.distributed.checkpoint (DCP) folder's ``.metadata``, read without torch or running it.
+
+torch pickles a ``Metadata`` dataclass: ``state_dict_metadata`` (each key's
+``TensorStorageMetadata``, with dtype, full size and chunks, or ``BytesStorageMetadata``),
+``storage_data`` (``MetadataIndex(fqn, offset)`` -> ``_StorageInfo(relative_path, offset,
+length, transform_descriptors)``: where each chunk's bytes lie in the ``.distcp`` files) and
+``planner_data`` (each flattened key's path in the nested state dict). Unpickled here with the
+pure-Python unpickler and inert stand-ins for DCP's own classes (:func:`.dcp.is_dcp_class`), it
+becomes the plain records below. A global outside those classes raises
+:class:`~.torchpickle.UnsupportedGlobal`; a structure this reader does not model raises
+:class:`~.rewrite.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
+
+Example:
+    >>> meta = read_metadata("fixtures/fsdp2_dcp")  # doctest: +SKIP
+    >>> meta.entries["embed.weight"].chunks[1].offsets  # doctest: +SKIP
+    (19, 0)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointFormatError
+from . import torchpickle as lp
+from .dcp import is_dcp_class
+from .dtypes import BY_NAME
+from .fileio import ClampedReader
+from .rewrite import NeedsTorch
+
+_META = "torch.distributed.checkpoint.metadata."
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one item's bytes are: ``length`` bytes at ``offset`` of ``file`` (a ``.distcp`` name)."""
+
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved piece of a tensor: its position and size in the full tensor, and its bytes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    stored: Stored
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor key: torch dtype name (``"float32"``), full shape, chunks in metadata order."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class BytesEntry:
+    """A non-tensor key: a ``torch.save`` d object at ``stored``."""
+
+    fqn: str
+    stored: Stored
+
+
+@dataclass(frozen=True)
+class DcpMetadata:
+    """``entries`` in the metadata's order; ``paths``: each key's path in the nested state dict."""
+
+    entries: dict[str, TensorEntry | BytesEntry]
+    paths: dict[str, tuple[str | int, ...]]
+
+
+class _Stand:
+    """An inert instance of one of DCP's classes: constructor arguments and pickled state."""
+
+    global_name = ""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def field(self, name: str, *, optional: bool = False) -> Any:
+        state = getattr(self, "state", None)
+        if isinstance(state, dict) and optional:
+            return state.get(name)  # pickled only when set (a bytes item's index has no offset)
+        if not isinstance(state, dict) or name not in state:
+            raise NeedsTorch(f".metadata's {self.global_name} has no field {name!r} this reader knows")
+        return state[name]
+
+
+class _Unpickler(lp._Unpickler):  # the torch pickle reader's guards (no protocol-5 buffers), other globals
+    def __init__(self, file: Any, on_storage: Any = None) -> None:
+        super().__init__(file, on_storage)
+        self._classes: dict[str, Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if not is_dcp_class(full):
+            raise lp.UnsupportedGlobal(full)
+        if module == "torch" and name in BY_NAME:
+            return full  # a dtype: pickled as the global itself, never called
+        if full == "torch.Size":
+            return tuple
+        if full in ("collections.OrderedDict", "builtins.set", "builtins.frozenset"):
+            return super().find_class(module, name)
+        if full not in self._classes:
+            self._classes[full] = type(name, (_Stand,), {"global_name": full})
+        return self._classes[full]
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointFormatError(f"unexpected persistent id {pid!r:.80} in .metadata")
+
+
+def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
+    """Read ``folder/.metadata`` into :class:`DcpMetadata`.
+
+    Raises:
+        UnsupportedGlobal: it names a global beyond DCP's own classes (nothing was run).
+        NeedsTorch: it holds something this reader does not model (torch's reader may).
+        CheckpointFormatError: it is not a well-formed pickle.
+    """
+    with open(Path(folder) / ".metadata", "rb") as f:
+        meta = lp.loads(ClampedReader(f), unpickler=_Unpickler)  # type: ignore[arg-type]
+    try:
+        return _interpret(meta)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:  # DCP's classes, in a shape not modelled
+        raise NeedsTorch(f".metadata is laid out in a way this reader does not model ({type(e).__name__}: {e})") from e
+
+
+def _interpret(meta: Any) -> DcpMetadata:
+    if not isinstance(meta, _Stand) or meta.global_name != _META + "Metadata":
+        raise NeedsTorch(f".metadata holds a {type(meta).__name__}, not DCP's Metadata")
+    stored: dict[tuple[str, tuple[int, ...]], Stored] = {}
+    for index, info in _mapping(meta.field("storage_data"), "storage_data").items():
+        if getattr(info, "global_name", "") != "torch.distributed.checkpoint.filesystem._StorageInfo":
+            raise NeedsTorch("storage_data is not FileSystemWriter's (another storage writer)")
+        if info.state.get("transform_descriptors"):
+            raise NeedsTorch(f"{index.field('fqn')} is stored through transforms {info.state['transform_descriptors']}")
+        where = Stored(_str(info.field("relative_path")), _int(info.field("offset")), _int(info.field("length")))
+        stored[(_str(index.field("fqn")), _ints(index.field("offset", optional=True) or ()))] = where
+    entries: dict[str, TensorEntry | BytesEntry] = {}
+    for fqn, md in _mapping(meta.field("state_dict_metadata"), "state_dict_metadata").items():
+        entries[_str(fqn)] = _entry(_str(fqn), md, stored)
+    paths = {_str(k): tuple(_path(v)) for k, v in _mapping(meta.field("planner_data") or {}, "planner_data").items()}
+    return DcpMetadata(entries, paths)
+
+
+def _entry(fqn: str, md: Any, stored: dict[tuple[str, tuple[int, ...]], Stored]) -> TensorEntry | BytesEntry:
+    kind = getattr(md, "global_name", "")
+    if kind == _META + "BytesStorageMetadata":
+        return BytesEntry(fqn, _find(stored, fqn, ()))
+    if kind != _META + "TensorStorageMetadata":
+        raise NeedsTorch(f"{fqn} is a {kind or type(md).__name__}, which this reader does not model")
+    props = md.field("properties")
+    state = getattr(props, "state", None)  # (dtype, layout, requires_grad, memory format, pin_memory)
+    if not isinstance(state, tuple) or not state or not isinstance(state[0], str):
+        raise NeedsTorch(f"{fqn}: tensor properties this reader does not model")
+    dtype = state[0].removeprefix("torch.")
+    layout = state[1] if len(state) > 1 else None
+    if getattr(layout, "args", ("torch.strided",)) != ("torch.strided",):
+        raise NeedsTorch(f"{fqn} is not a strided (dense) tensor")
+    chunks = []
+    for c in md.field("chunks"):
+        offsets, sizes = _ints(c.field("offsets")), _ints(c.field("sizes"))
+        chunks.append(Chunk(offsets, sizes, _find(stored, fqn, offsets)))
+    return TensorEntry(fqn, dtype, _ints(md.field("size")), tuple(chunks))
+
+
+def _find(stored: dict[tuple[str, tuple[int, ...]], Stored], fqn: str, offsets: tuple[int, ...]) -> Stored:
+    where = stored.get((fqn, offsets))
+    if where is None:
+        raise CheckpointFormatError(f".metadata lists {fqn} (chunk at {list(offsets)}) but not where its bytes are stored")
+    return where
+
+
+def _mapping(value: Any, what: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise NeedsTorch(f".metadata's {what} is a {type(value).__name__}, not a dict")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise NeedsTorch(f".metadata holds a {type(value).__name__} where a name belongs")
+    return value
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise NeedsTorch(f".metadata holds {value!r:.40} where a byte count belongs")
+    return value
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)):
+        raise NeedsTorch(f".metadata holds a {type(value).__name__} where a size belongs")
+    return tuple(_int(v) for v in value)
+
+
+def _path(value: Any) -> list[str | int]:
+    if not isinstance(value, (tuple, list)) or not value or not all(isinstance(p, (str, int)) for p in value):
+        raise NeedsTorch(f".metadata's planner_data holds {value!r:.60}, not a key path")
+    return list(value)

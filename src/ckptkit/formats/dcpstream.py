@@ -1,0 +1,294 @@
+"""A DCP folder's tensors as byte ranges of its ``.distcp`` files, copied piece by piece, no torch.
+
+FileSystemWriter stores each tensor chunk as a whole ``torch.save`` zip at ``_StorageInfo.offset``
+of a ``.distcp`` file, its bytes in one stored record whose CRC-32 the zip records. A chunk that
+spans every dimension but the first (FSDP2's ``Shard(0)``, or an unsharded tensor) is a
+contiguous run of the full tensor's bytes, so the full tensor is its chunks' bytes in offset
+order. :func:`open_dcp` describes each tensor as those pieces (:class:`DcpTensor`), and the
+writers here copy them kernel-side into one record, checking each piece against its CRC-32 as it
+is copied and combining them into the record's. A writer of another layout (sharded
+safetensors) needs only :meth:`DcpSource.copy`. What this does not model (chunks split along
+another dimension, transforms, non-tensor values beyond plain ones) raises
+:class:`~.rewrite.NeedsTorch` before a byte is written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, summarize
+from . import torchpickle as lp
+from .crcmath import crc32_combine
+from .dcpmeta import BytesEntry, Chunk, Stored, TensorEntry, read_metadata
+from .dtypes import BY_NAME
+from .fileio import Progress, copy_range
+from .integrity import Damage
+from .rewrite import NeedsTorch, new_tensor
+from .safetensors import write_with_crcs
+from .torchzip import SliceReader, TorchZip, ZipWriter
+
+_MAX_VALUE = 64 << 20  # a non-tensor value's pickle read into memory; larger ones go through torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``length`` bytes at ``offset`` of ``file`` (a ``.distcp`` name), whose CRC-32 is ``crc``."""
+
+    file: str
+    offset: int
+    length: int
+    crc: int
+    where: str  # "chunk at [19, 0] in __1_0.distcp", for messages
+
+
+@dataclass(eq=False)
+class DcpTensor:
+    """A full tensor as the pieces of its bytes, in order."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+
+@dataclass
+class DcpSource:
+    """An opened DCP folder: ``obj``, the nested state dict with :class:`DcpTensor` leaves and
+    plain values, and the open ``.distcp`` files its pieces are read from."""
+
+    folder: Path
+    obj: dict[str, Any]
+    files: dict[str, BinaryIO] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def copy(self, t: DcpTensor, dst: BinaryIO, damage: Damage, progress: Progress | None = None) -> int:
+        """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its
+        recorded CRC-32 goes to ``damage`` (the caller raises once everything was read)."""
+        crc = 0
+        for p in t.pieces:
+            read = copy_range(self.files[p.file], dst, p.offset, p.length, progress, crc=True)
+            damage.check((t.fqn, p), p.crc, read)
+            crc = crc32_combine(crc, read, p.length)
+        return crc
+
+    def damage(self) -> Damage:
+        return Damage(str(self.folder), lambda key: f"tensor {key[0]} ({key[1].where})")
+
+
+def is_leaf(value: Any) -> bool:
+    return isinstance(value, DcpTensor)
+
+
+def open_dcp(folder: str | os.PathLike[str]) -> DcpSource:
+    """Describe a DCP folder's tensors as pieces (reads ``.metadata`` and each chunk's zip header).
+
+    Raises:
+        NeedsTorch, UnsupportedGlobal: something here is not modelled; torch's reader may read it.
+        CheckpointFormatError: chunks leave gaps or overlap, or a chunk is not what the metadata says.
+    """
+    src = DcpSource(Path(folder), {})
+    try:
+        meta = read_metadata(src.folder)
+        for fqn, entry in meta.entries.items():
+            value = _tensor(src, entry) if isinstance(entry, TensorEntry) else _value(src, entry)
+            _set_element(src.obj, meta.paths.get(fqn, (fqn,)), value)
+        return src
+    except BaseException:
+        src.close()
+        raise
+
+
+def _file(src: DcpSource, name: str) -> BinaryIO:
+    if name not in src.files:
+        path = src.folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointFormatError(f"{src.folder}/.metadata: stores bytes in {name!r}, outside the folder")
+        try:
+            src.files[name] = open(path, "rb")  # noqa: SIM115 - owned by the source, closed by its user
+        except FileNotFoundError as e:
+            raise CheckpointFormatError(f"{src.folder}: .metadata stores bytes in {name}, which is missing") from e
+    return src.files[name]
+
+
+def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceReader]:
+    f = _file(src, stored.file)
+    if stored.offset + stored.length > os.fstat(f.fileno()).st_size:
+        raise CheckpointFormatError(f"{src.folder}/{stored.file}: {what} runs past the end of the file (truncated?)")
+    view = SliceReader(f, stored.offset, stored.length)
+    if view.read(4) != b"PK\x03\x04":
+        raise NeedsTorch(f"{what} is not stored as torch.save's zip")
+    try:
+        return TorchZip(f"{src.folder}/{stored.file}@{stored.offset}", file=view), view  # type: ignore[arg-type]
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(f"{what}: {e}") from e
+
+
+def _pickled(z: TorchZip, what: str) -> Any:
+    rec = z.by_name[f"{z.prefix}data.pkl"]
+    if rec.size > _MAX_VALUE:
+        raise NeedsTorch(f"{what} is a {rec.size}-byte pickle")
+    try:
+        return lp.loads(z.read(rec.name))
+    except lp.UnsupportedGlobal as e:
+        raise NeedsTorch(f"{what} needs global {e.name}") from e
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
+
+
+def _tensor(src: DcpSource, e: TensorEntry) -> DcpTensor:
+    if e.dtype not in BY_NAME:
+        raise NeedsTorch(f"tensor {e.fqn} has dtype {e.dtype}")
+    pieces = []
+    for c in _in_order(src, e):
+        what = f"chunk at {list(c.offsets)} in {c.stored.file}"
+        z, view = _zip(src, c.stored, f"tensor {e.fqn}: {what}")
+        t = lp.tensor_of(_pickled(z, f"tensor {e.fqn}'s {what}"))
+        if t is None:
+            raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what} holds no tensor")
+        if t.dtype != e.dtype or t.shape != c.sizes:
+            raise CheckpointFormatError(
+                f"{src.folder}: tensor {e.fqn}'s {what} is {t.dtype}{list(t.shape)}; .metadata says {e.dtype}{list(c.sizes)}"
+            )
+        if z.byteorder != "little" or not t.is_contiguous():
+            raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'big-endian' if z.byteorder != 'little' else 'not contiguous'}")
+        rec = z.storage(t.storage.key)
+        if rec.method != 0 or t.byte_range() != (0, rec.size):
+            raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}")
+        pieces.append(Piece(c.stored.file, view.start + rec.data_offset, rec.size, rec.crc, what))
+    return DcpTensor(e.fqn, e.dtype, e.shape, tuple(pieces))
+
+
+def _in_order(src: DcpSource, e: TensorEntry) -> list[Chunk]:
+    """The chunks with bytes, in offset order, after checking that they tile the tensor along dim 0."""
+    rank = len(e.shape)
+    for c in e.chunks:
+        if len(c.offsets) != rank or len(c.sizes) != rank:
+            raise CheckpointFormatError(f"{src.folder}: a chunk of tensor {e.fqn} has {len(c.sizes)} dims, the tensor {rank}")
+        split = [d for d in range(1, rank) if c.offsets[d] != 0 or c.sizes[d] != e.shape[d]]
+        if split:
+            raise NeedsTorch(f"tensor {e.fqn} is split along dim {split[0]}")
+    if rank == 0:
+        if len(e.chunks) != 1:
+            raise CheckpointFormatError(f"{src.folder}: scalar tensor {e.fqn} has {len(e.chunks)} chunks, expected 1")
+        return list(e.chunks)
+    chunks = sorted((c for c in e.chunks if _numel(c.sizes)), key=lambda c: c.offsets[0])
+    at = 0
+    for c in chunks:
+        if c.offsets[0] != at:
+            what = f"overlap at row {c.offsets[0]}" if c.offsets[0] < at else f"leave rows {at}..{c.offsets[0] - 1} uncovered"
+            raise CheckpointFormatError(
+                f"{src.folder}: the chunks of tensor {e.fqn} (dim 0 of {e.shape[0]}) {what}; "
+                "each row must be in exactly one chunk"
+            )
+        at += c.sizes[0]
+    if at != e.shape[0] and _numel(e.shape):
+        raise CheckpointFormatError(
+            f"{src.folder}: the chunks of tensor {e.fqn} cover rows 0..{at - 1} of {e.shape[0]}; each row must be in exactly one chunk"
+        )
+    return chunks
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _value(src: DcpSource, e: BytesEntry) -> Any:
+    what = f"value {e.fqn}"
+    value = _pickled(_zip(src, e.stored, what)[0], what)
+    if _holds_tensor(value):
+        raise NeedsTorch(f"{what} holds tensors")
+    return value
+
+
+def _holds_tensor(node: Any) -> bool:
+    if lp.is_tensor(node) or isinstance(node, lp.StorageRef):
+        return True
+    if isinstance(node, Mapping):
+        return any(_holds_tensor(v) for v in node.values())
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(v) for v in node)
+    if isinstance(node, lp.Call):
+        return _holds_tensor(node.args) or _holds_tensor(node.state)
+    return False
+
+
+def _set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """torch's ``_traverse.set_element``: nested dicts (lists where a key is an int), so that this
+    path and torch's own reader give the same structure, in the same order."""
+    node: Any = root
+    for prev, key in zip(path, path[1:], strict=False):
+        if isinstance(node, dict):
+            node = node.setdefault(prev, {} if isinstance(key, str) else [])
+        else:
+            node.extend([None] * (int(prev) + 1 - len(node)))
+            if node[prev] is None:
+                node[prev] = {} if isinstance(key, str) else []
+            node = node[prev]
+    if isinstance(path[-1], int):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    try:
+        node[path[-1]] = value
+    except PARSE_ERRORS as e:
+        raise NeedsTorch(f"planner_data path {list(path)} does not nest") from e
+
+
+def write_torch_zip(f: BinaryIO, src: DcpSource, obj: Any, progress: Progress | None) -> int:
+    """Write ``obj`` (containers with :class:`DcpTensor` leaves) as a torch zip checkpoint."""
+    order: list[DcpTensor] = []
+
+    def convert(node: Any) -> Any:
+        if isinstance(node, DcpTensor):
+            order.append(node)
+            return new_tensor(str(len(order) - 1), node.dtype, node.shape)
+        if isinstance(node, Mapping):
+            return type(node)((k, convert(v)) for k, v in node.items())  # type: ignore[call-arg]
+        if isinstance(node, list):
+            return [convert(v) for v in node]
+        return node
+
+    w = ZipWriter(f, alignment=64)
+    prefix = w.start_torch_archive(lp.dumps(convert(obj))[0])
+    damage = src.damage()
+    for i, t in enumerate(order):
+        w.add_written(f"{prefix}data/{i}", t.nbytes, lambda t=t: src.copy(t, f, damage, progress))  # type: ignore[misc]
+    damage.raise_if_any()
+    w.finish_torch_archive(prefix)
+    w.close()
+    return sum(t.nbytes for t in order)
+
+
+def write_safetensors(
+    f: BinaryIO, src: DcpSource, state: Mapping[str, Any], progress: Progress | None, *, metadata: Mapping[str, str] | None = None
+) -> int:
+    """Write ``state`` (names -> :class:`DcpTensor`) as safetensors, with ckptkit's CRC-32s and
+    ``metadata`` (default ``{"format": "pt"}``)."""
+    bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not is_leaf(v)]
+    if bad:
+        raise ArgumentError(f"{src.folder}: safetensors holds only tensors; not tensors: {summarize(bad)}")
+    entries = []
+    for name, t in state.items():
+        code = BY_NAME[t.dtype].safetensors
+        if code is None:
+            raise ArgumentError(f"{src.folder}: tensor {name} has dtype {t.dtype}, which safetensors cannot store; use a .pt output")
+        entries.append((name, code, list(t.shape), t.nbytes))
+    damage = src.damage()
+
+    def write_data(crcs: dict[str, int]) -> None:
+        for name, t in state.items():
+            crcs[name] = src.copy(t, f, damage, progress)
+        damage.raise_if_any()
+
+    write_with_crcs(f, entries, dict(metadata or {"format": "pt"}), write_data)
+    return sum(t.nbytes for t in state.values())

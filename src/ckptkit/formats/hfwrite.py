@@ -1,0 +1,98 @@
+"""Write a Hugging Face sharded folder, as ``huggingface_hub.save_torch_state_dict`` does, atomically.
+
+Same split, file names, ``{"format": "pt"}`` shard metadata and index; tied tensors stored once
+under the name sorted first, the others recorded in the index metadata (in the one file's
+metadata when there is one shard). Each shard also records ckptkit's per-tensor CRC-32s, so
+``ckptkit verify`` sees a flipped bit. :func:`write_shards` copies byte ranges of an opened
+source without torch (each byte checked against the source's recorded CRC-32 while copied);
+``ckptkit._hfsave`` feeds :func:`write_folder` from torch tensors.
+
+Example:
+    >>> write_shards(Path("out"), src, state, max_shard_size=5 * 10**9, progress=None)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import summarize
+from . import dcpstream as dcps
+from .atomicdir import atomic_folder, check_folder_destination
+from .detect import HF_INDEXES
+from .fileio import Progress
+from .hfshards import HF_FILE, drop_tied, index_bytes, split
+from .rewrite import NeedsTorch, Source, locate, write_safetensors
+
+
+@dataclass
+class Written:
+    """What was written: ``files`` (shard file -> tensor names), ``total_size`` (the index's),
+    ``tied`` ({dropped name: kept name})."""
+
+    files: dict[str, list[str]]
+    total_size: int
+    tied: dict[str, str]
+
+
+def check_destination(src: Path, dest: Path, *, force: bool) -> None:
+    """Raise unless ``dest`` may become a sharded folder (see :func:`.atomicdir.check_folder_destination`)."""
+    check_folder_destination(src, dest, force=force, owned=lambda n: bool(HF_FILE.match(n)), what="Hugging Face weight files")
+
+
+def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object]) -> None:
+    """Write ``written``'s shards (``write_shard(file, names, metadata)`` fills each) and its index
+    into a temp folder that becomes ``dest`` once every file is complete and durable."""
+    with atomic_folder(dest) as tmp:
+        one = len(written.files) == 1
+        for file, names in written.files.items():
+            with open(tmp / file, "xb") as f:
+                write_shard(f, names, {"format": "pt", **(written.tied if one else {})})
+                f.flush()
+                os.fsync(f.fileno())
+        if not one:
+            with open(tmp / HF_INDEXES[0], "xb") as f:
+                f.write(index_bytes(written.files, written.total_size, written.tied))
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def plan(entries: list[tuple[str, Any, int, Any, bool]], *, max_shard_size: int) -> Written:
+    """The shards for ``(name, storage id or None, storage bytes, view identity, is the whole
+    storage)`` entries: exact aliases of a whole storage are tied (stored once), the rest split.
+
+    Raises:
+        NeedsTorch: different views of one storage (the caller decides how to store them).
+    """
+    groups: dict[Any, list[str]] = {}
+    for name, storage, _, _, _ in entries:
+        if storage is not None:
+            groups.setdefault(storage, []).append(name)
+    by_name = {e[0]: e for e in entries}
+    for names in groups.values():
+        if len(names) > 1 and (len({by_name[n][3] for n in names}) > 1 or not by_name[names[0]][4]):
+            raise NeedsTorch(f"tensors {summarize(names)} are different views of one storage")
+    tied = drop_tied(groups)
+    files, total = split([(n, s, size) for n, s, size, _, _ in entries if n not in tied], max_shard_size=max_shard_size)
+    return Written(files, total, tied)
+
+
+def write_shards(
+    dest: Path, src: Source | dcps.DcpSource, state: Mapping[str, Any], *, max_shard_size: int, progress: Progress | None
+) -> Written:
+    """Write ``state`` (leaves of ``src``: a file's, or a DCP folder's chunked tensors) as a
+    sharded folder at ``dest``, torch-free."""
+    if isinstance(src, dcps.DcpSource):  # each tensor its own storage, copied chunk by chunk
+        entries: list[tuple[str, Any, int, Any, bool]] = [(n, id(t), getattr(t, "nbytes", 0), id(t), True) for n, t in state.items()]
+        written = plan(entries, max_shard_size=max_shard_size)
+        dcp = src
+        write_folder(dest, written, lambda f, names, meta: dcps.write_safetensors(f, dcp, {n: state[n] for n in names}, progress, metadata=meta))
+        return written
+    located = {name: locate(src, ref, name) for name, ref in state.items()}
+    entries = [(n, b.storage if b.length else None, b.storage_size, b.ident, b.complete) for n, b in located.items()]
+    written = plan(entries, max_shard_size=max_shard_size)
+    write_folder(dest, written, lambda f, names, meta: write_safetensors(f, src, {n: state[n] for n in names}, progress, metadata=meta))
+    return written

@@ -1,0 +1,144 @@
+"""A checkpoint opened without torch: its object tree, with leaves that know where their bytes are.
+
+A torch zip's pickle is read through stand-ins (:class:`~.torchpickle.TensorRef` leaves), a
+safetensors header becomes :class:`StRef` leaves, and Hugging Face shards become one tree over
+every shard's leaves, each leaf's own file at hand (:meth:`Source.part`). Nothing reads tensor
+bytes here; :mod:`.rewrite` copies them. What this path does not model raises :class:`NeedsTorch`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import CheckpointFormatError
+from . import modulepickle as mp
+from . import torchpickle as lp
+from .bounds import check_tensors
+from .detect import HF, SAFETENSORS, ZIP, detect_format
+from .hfshards import HfIndex, check_shard_keys, read_index
+from .safetensors import insert_aliases, parse_aliases, parse_crcs, read_header
+from .torchzip import TorchZip
+
+
+class NeedsTorch(Exception):
+    """This source cannot be rewritten without loading it with torch (the reason is the message)."""
+
+
+@dataclass(eq=False)  # identity matters: aliases are the same object
+class StRef:
+    """A tensor in a safetensors file: dtype, shape, absolute byte range, recorded CRC-32."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    length: int
+    crc: int | None = None
+
+
+@dataclass
+class Source:
+    """An opened checkpoint: its object tree with byte-locating leaves.
+
+    ``file`` is the one open file everything is read from, so that a source replaced on disk
+    meanwhile (``os.replace`` by a running trainer) is still read as the version opened. A
+    sharded source has one such Source per shard in ``parts``; ``part(leaf)`` is the leaf's.
+    """
+
+    path: Path
+    fmt: str
+    obj: Any
+    file: BinaryIO | None
+    zip: TorchZip | None = None
+    metadata: dict[str, str] | None = None
+    data_start: int = 0
+    parts: list[Source] = field(default_factory=list)
+    owner: dict[int, Source] = field(default_factory=dict)  # id(leaf) -> the part holding it
+    index: HfIndex | None = None
+    module: str = ""  # a whole pickled module's class (``DataParallel(ToyCNN)``): obj is its state_dict()
+
+    def part(self, leaf: Any) -> Source:
+        """The (single-file) Source whose file holds ``leaf``'s bytes."""
+        return self.owner.get(id(leaf), self)
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def is_leaf(value: Any) -> bool:
+    return lp.is_tensor(value) or isinstance(value, StRef)
+
+
+def open_source(path: Path, fmt: str) -> Source:
+    """Read a torch zip's pickle (through stand-ins), a safetensors header, or every shard's of a
+    Hugging Face checkpoint (checked against its index); no tensor bytes."""
+    if fmt == HF:
+        return _open_shards(read_index(path))
+    if fmt not in (ZIP, SAFETENSORS):
+        raise NeedsTorch(f"{fmt} input")
+    f = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed by its user
+    try:
+        return _read_source(path, fmt, f)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
+    if fmt == ZIP:
+        z = TorchZip(path, file=f)
+        data, name = z.read(f"{z.prefix}data.pkl"), ""
+        try:
+            pickled = lp.loads(data)
+        except lp.UnsupportedGlobal as e:
+            try:  # a whole pickled module (torch.save(model)): its state_dict(), nothing run
+                module = mp.read_module(data)  # or UnsafeModulePickle, for the caller to refuse
+            except mp.NotAModule:
+                raise e from None
+            except mp.Unmodelled as why:
+                raise NeedsTorch(f"pickled module: {why}") from None
+            except CheckpointFormatError as why:
+                raise CheckpointFormatError(f"{path}: pickled module: {why}") from None
+            pickled, name = module.state, module.description
+        check_tensors(pickled, z, str(path))  # storages are copied as they are: refuse broken views now
+        return Source(path, fmt, pickled, f, zip=z, module=name)
+    # SAFETENSORS (open_source admits no other format)
+    header, start = read_header(f, source=str(path))
+    meta = dict(header.pop("__metadata__", None) or {})
+    crcs = parse_crcs(meta, str(path))
+    obj: OrderedDict[str, Any] = OrderedDict(
+        (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0],
+                     e["data_offsets"][1] - e["data_offsets"][0], crcs.get(name)))  # fmt: skip
+        for name, e in header.items()
+    )
+    obj = insert_aliases(obj, parse_aliases(meta, obj, str(path)))
+    return Source(path, fmt, obj, f, metadata=meta, data_start=start)
+
+
+def _open_shards(index: HfIndex) -> Source:
+    """One Source over every shard: tensors in the index's order, then the tied ones it dropped
+    (each the same leaf as the tensor it is tied to)."""
+    merged = Source(index.folder, HF, OrderedDict(), None, metadata=dict(index.metadata), index=index)
+    try:
+        for shard in index.shards:
+            path = index.folder / shard
+            part = open_source(path, detect_format(path))
+            merged.parts.append(part)
+            if not isinstance(part.obj, Mapping) or not all(is_leaf(v) for v in part.obj.values()):
+                raise CheckpointFormatError(f"{path}: a shard of {index.path} must hold a flat mapping of tensors")
+        check_shard_keys(index, {p.path.name: list(p.obj) for p in merged.parts})
+        leaves = {k: (p, v) for p in merged.parts for k, v in p.obj.items()}
+        for name in [*index.weight_map, *index.tied()]:
+            part, leaf = leaves[index.tied().get(name, name)]
+            merged.obj[name] = leaf
+            merged.owner[id(leaf)] = part
+    except BaseException:
+        merged.close()
+        raise
+    return merged

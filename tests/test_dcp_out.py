@@ -1,0 +1,145 @@
+"""``convert --format dcp``: a DCP folder that torch.distributed.checkpoint loads (issue 12, part 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit.errors import ArgumentError, UnsafeCheckpointError
+from ckptkit.formats.atomic import TMP_SUFFIX
+from ckptkit.formats.atomicdir import atomic_folder
+from fixtures.make_dcp_fixtures import TinyGPT
+from tests.group import ok_values, run_group
+
+
+def _expected(fixtures_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(fixtures_dir / "fsdp2_dcp.expected.pt", weights_only=True)
+
+
+def _ddp_source(fixtures_dir: Path, tmp_path: Path) -> Path:
+    """The fixture model's full state dict with DDP's module. keys, as a torch zip."""
+    ddp = tmp_path / "ddp.pt"
+    torch.save({f"module.{k}": v for k, v in _expected(fixtures_dir).items()}, ddp)
+    return ddp
+
+
+def _no_temps(folder: Path) -> bool:
+    return not [p for p in folder.iterdir() if p.name.endswith(TMP_SUFFIX)]
+
+
+def test_dcp_output_loads_into_a_plain_model(fixtures_dir: Path, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    out = tmp_path / "out.dcp"
+    report = ckptkit.convert_checkpoint(_ddp_source(fixtures_dir, tmp_path), out, format="dcp")
+    assert report.destination_format == "dcp" and report.renamed == 16 and report.prefix_before == "module."
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp"]
+    model = TinyGPT()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    model.load_state_dict(state)
+    for k, v in _expected(fixtures_dir).items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert _no_temps(tmp_path)
+
+
+def _load_into_fsdp2(rank: int, world: int, folder: str, expected: dict[str, torch.Tensor]) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)  # other values than the checkpoint's, so a load that does nothing shows
+    model = TinyGPT()
+    fully_shard(model)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    model.load_state_dict(state)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return [k for k, v in expected.items() if not torch.equal(full[k], v)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [1, 2])
+def test_dcp_output_loads_into_fsdp2_on_gloo_ranks(fixtures_dir: Path, tmp_path: Path, world: int) -> None:
+    out = tmp_path / "out.dcp"
+    ckptkit.convert_checkpoint(_ddp_source(fixtures_dir, tmp_path), out, format="dcp")
+    expected = _expected(fixtures_dir)
+    assert ok_values(run_group(_load_into_fsdp2, world, tmp_path, str(out), expected)) == [[]] * world
+
+
+def test_dcp_output_round_trips_through_the_streaming_reader(fixtures_dir: Path, tmp_path: Path) -> None:
+    ckptkit.convert_checkpoint(fixtures_dir / "train_ckpt.pt", tmp_path / "t.dcp", format="dcp")
+    report = ckptkit.convert_checkpoint(tmp_path / "t.dcp", tmp_path / "back.pt")
+    assert report.fast and report.weights_at == "model"
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    source = ckptkit.read_checkpoint(fixtures_dir / "train_ckpt.pt")
+    assert list(back) == list(source) and back["epoch"] == source["epoch"] and back["step"] == source["step"]
+    assert list(back["model"]) == [k.removeprefix("module.") for k in source["model"]]
+    for k, v in source["model"].items():
+        assert torch.equal(back["model"][k.removeprefix("module.")], v), k
+
+
+def test_dcp_output_replaces_a_folder_only_with_force(fixtures_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.dcp"
+    out.mkdir()
+    (out / "stale.distcp").write_bytes(b"old")
+    with pytest.raises(ArgumentError, match="exists and is not empty; pass force=True"):
+        ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", out, format="dcp")
+    assert sorted(p.name for p in out.iterdir()) == ["stale.distcp"]
+    ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", out, format="dcp", force=True)
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp"]  # the old folder is gone whole
+    assert _no_temps(tmp_path)
+
+
+def test_dcp_output_reads_the_source_safely(fixtures_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UnsafeCheckpointError, match="argparse.Namespace"):
+        ckptkit.convert_checkpoint(fixtures_dir / "needs_trust.pt", tmp_path / "out.dcp", format="dcp")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_format_must_be_dcp_and_dst_a_folder(fixtures_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(ArgumentError, match="is a file; this output is a folder"):
+        ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", tmp_path / "file", format="dcp", force=True)
+    with pytest.raises(ArgumentError, match="format must be 'dcp'"):
+        ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", tmp_path / "x", format="zip")  # type: ignore[arg-type]
+
+
+def test_folder_appears_whole_or_not_at_all(tmp_path: Path) -> None:
+    dest = tmp_path / "out.dcp"
+    with pytest.raises(RuntimeError, match="half way"), atomic_folder(dest) as tmp:
+        (tmp / "a.distcp").write_bytes(b"a")
+        assert not dest.exists()
+        raise RuntimeError("half way")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_folder(dest) as tmp:
+        (tmp / "a.distcp").write_bytes(b"a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.dcp"] and (dest / "a.distcp").read_bytes() == b"a"
+
+
+def test_an_existing_folder_is_replaced_only_with_force_and_only_if_it_holds_dcp_files(fixtures_dir: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "out.dcp"
+    ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", dest, format="dcp")
+    with pytest.raises(ArgumentError, match="exists and is not empty; pass force=True"):
+        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", dest, format="dcp")
+    ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", dest, format="dcp", force=True)
+    (dest / "notes.txt").write_text("mine")
+    with pytest.raises(ArgumentError, match=r"holds notes.txt besides DCP files"):
+        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", dest, format="dcp", force=True)
+    assert (dest / "notes.txt").read_text() == "mine"
+
+
+def test_cli_format_dcp(fixtures_dir: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckptkit.cli import main
+
+    result = CliRunner().invoke(main, ["convert", str(fixtures_dir / "ddp.pt"), str(tmp_path / "o.dcp"), "--format", "dcp"])
+    assert result.exit_code == 0, result.output
+    assert "o.dcp: 9 tensors, 9 renamed (module. -> no prefix)" in result.stdout
+    assert ckptkit.convert_checkpoint(tmp_path / "o.dcp", tmp_path / "o.pt").fast
+    plain = torch.load(fixtures_dir / "plain.pt", weights_only=True)
+    got = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert list(got) == list(plain) and all(torch.equal(got[k], v) for k, v in plain.items())

@@ -1,0 +1,232 @@
+"""DCP folders converted torch-free, chunk by chunk (issue 12, part 3).
+
+The committed ``fixtures/fsdp2_dcp`` was saved by FSDP2 on 2 gloo ranks
+(``fixtures/make_dcp_fixtures.py``); ``fsdp2_dcp.expected.pt`` holds its full state dict.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.errors import CheckpointFormatError
+from ckptkit.formats.atomic import TMP_SUFFIX
+from ckptkit.formats.dcpstream import DcpTensor, open_dcp
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    """Read back by the format's own library: torch for .pt, safetensors for .safetensors."""
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    return torch.load(path, weights_only=True)
+
+
+def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(expected)  # the metadata's order, which is the model's
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def _convert_in_subprocess(*args: str) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """Run ``ckptkit convert ARGS --json`` in a fresh interpreter; also say whether torch was imported."""
+    script = (
+        "import sys\n"
+        "from ckptkit.cli import main\n"
+        "try:\n"
+        f"    main(['convert', *{list(args)!r}, '--json'], standalone_mode=False)\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "else:\n"
+        "    code = 0\n"
+        "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    return proc, "torch imported: True" in proc.stderr
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_fsdp2_folder_converts_without_torch(fixtures_dir: Path, tmp_path: Path, suffix: str) -> None:
+    out = tmp_path / f"single{suffix}"
+    proc, imported_torch = _convert_in_subprocess(str(fixtures_dir / "fsdp2_dcp"), str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["fast"] is True and report["fallback_reason"] == "" and report["tensors"] == 16
+    assert not imported_torch
+    _assert_same(_read(out), torch.load(fixtures_dir / "fsdp2_dcp.expected.pt", weights_only=True))
+
+
+def test_pieces_are_the_chunks_in_offset_order(fixtures_dir: Path) -> None:
+    src = open_dcp(fixtures_dir / "fsdp2_dcp")
+    try:
+        embed = src.obj["embed.weight"]
+        assert isinstance(embed, DcpTensor) and embed.shape == (37, 8)
+        # 37 rows over 2 ranks: 19 then 18, each float32 row 32 bytes
+        assert [(p.file, p.length) for p in embed.pieces] == [("__0_0.distcp", 19 * 32), ("__1_0.distcp", 18 * 32)]
+    finally:
+        src.close()
+
+
+def _flip_payload_bit(folder: Path, fqn: str, piece: int) -> None:
+    src = open_dcp(folder)
+    try:
+        p = src.obj[fqn].pieces[piece]
+    finally:
+        src.close()
+    with open(folder / p.file, "r+b") as f:
+        f.seek(p.offset + p.length // 2)
+        byte = f.read(1)[0]
+        f.seek(p.offset + p.length // 2)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_damaged_chunk_fails_naming_the_tensor_and_writes_nothing(fixtures_dir: Path, tmp_path: Path, suffix: str) -> None:
+    folder = tmp_path / "ckpt.dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
+    _flip_payload_bit(folder, "mlp.0.weight", 1)
+    out = tmp_path / f"single{suffix}"
+    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert "tensor mlp.0.weight (chunk at [7, 0] in __1_0.distcp)" in proc.stderr and "damaged" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.dcp"]  # no output, no temp file
+
+
+def _rewrite_metadata(folder: Path, edit: object) -> None:
+    with open(folder / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own copy of a committed folder: DCP's classes only
+    edit(meta)  # type: ignore[operator]
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+@pytest.mark.parametrize(("row", "message"), [(18, "overlap at row 18"), (20, "leave rows 19..19 uncovered")])
+def test_chunks_that_do_not_tile_are_an_error_naming_the_key(fixtures_dir: Path, tmp_path: Path, row: int, message: str) -> None:
+    folder = tmp_path / "ckpt.dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
+
+    def move_second_chunk(meta: object) -> None:
+        md = meta.state_dict_metadata["head.weight"]  # type: ignore[attr-defined]
+        chunk = md.chunks[1]
+        index = next(i for i in meta.storage_data if i.fqn == "head.weight" and list(i.offset) == [19, 0])  # type: ignore[attr-defined]
+        info = meta.storage_data.pop(index)  # type: ignore[attr-defined]
+        chunk.offsets = torch.Size([row, 0])
+        meta.storage_data[type(index)("head.weight", [row, 0])] = info  # type: ignore[attr-defined]
+
+    _rewrite_metadata(folder, move_second_chunk)
+    with pytest.raises(CheckpointFormatError, match=rf"chunks of tensor head\.weight .*{message}"):
+        ckptkit.convert_checkpoint(folder, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_chunks_split_along_dim_1_fall_back_to_torch(fixtures_dir: Path, tmp_path: Path) -> None:
+    report = ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp_dim1", tmp_path / "out.safetensors")
+    assert not report.fast and report.fallback_reason == "tensor mlp.0.weight is split along dim 1: loaded with torch"
+    _assert_same(_read(tmp_path / "out.safetensors"), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True))
+
+
+def _save(tmp_path: Path, state: dict[str, object]) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "single.dcp"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+def _nested_state() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = {"module.fc.weight": torch.randn(5, 3), "module.fc.bias": torch.randn(5),
+             "module.emb.weight": torch.randn(7, 2).to(torch.bfloat16), "module.steps": torch.tensor(3)}  # fmt: skip
+    return {"model": model, "epoch": 4, "optim": {"param_groups": [{"lr": 0.1, "params": [0, 1]}], "note": "x"}}
+
+
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [
+        (_nested_state, ""),  # nested dicts, lists, plain values and a 0-d tensor: all modelled
+        (lambda: {"w": torch.randn(3, 4).t(), "b": torch.ones(2)}, "tensor w's chunk at [0, 0] in __0_0.distcp is not contiguous"),
+        (lambda: {"model": {"w": torch.ones(2)}, "size": torch.Size([2, 3])}, ""),
+        (lambda: {"model": {"w": torch.ones(2)}, "dtype": torch.float16, "lists": [[torch.zeros(1)], {"a": [1]}]}, ""),
+        (lambda: {"model": {"w": torch.ones(2)}, "pair": (torch.ones(1), 2)}, "value pair holds tensors"),
+    ],
+    ids=["nested", "transposed", "size", "dtype-and-lists", "tensor-in-tuple"],
+)
+def test_stream_and_torch_give_the_same_checkpoint(tmp_path: Path, state: object, reason: str) -> None:
+    folder = _save(tmp_path, state())  # type: ignore[operator]
+    streamed = ckptkit.convert_checkpoint(folder, tmp_path / "streamed.pt")
+    loaded = ckptkit.convert_checkpoint(folder, tmp_path / "loaded.pt", trust=True)  # always torch
+    assert not loaded.fast
+    assert streamed.fast is (reason == "") and streamed.fallback_reason == (f"{reason}: loaded with torch" if reason else "")
+    a = torch.load(tmp_path / "streamed.pt", weights_only=True)
+    b = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert _flat(a) == _flat(b)
+
+
+def _flat(node: object, where: str = "") -> list[tuple[str, object]]:
+    """Every leaf with its path, in order; tensors as (dtype, shape, values) for an exact compare."""
+    if isinstance(node, dict):
+        return [x for k, v in node.items() for x in _flat(v, f"{where}/{k}")]
+    if isinstance(node, list):
+        return [x for i, v in enumerate(node) for x in _flat(v, f"{where}[{i}]")]
+    if isinstance(node, torch.Tensor):
+        return [(where, (node.dtype, tuple(node.shape), node.reshape(-1).contiguous().view(torch.uint8).tolist()))]
+    return [(where, node)]
+
+
+def test_renamed_like_any_convert(tmp_path: Path) -> None:
+    folder = _save(tmp_path, _nested_state())
+    report = ckptkit.convert_checkpoint(folder, tmp_path / "w.safetensors", model_only=True)
+    assert report.fast and report.weights_at == "model" and report.renamed == 4
+    got = load_file(tmp_path / "w.safetensors")
+    expected = {k.removeprefix("module."): v for k, v in _nested_state()["model"].items()}  # type: ignore[attr-defined]
+    _assert_same(got, expected)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(TMP_SUFFIX)]
+
+
+def test_inspect_reads_the_metadata_without_torch(fixtures_dir: Path) -> None:
+    script = (
+        "import json, sys\n"
+        "from ckptkit import inspect_checkpoint\n"
+        f"s = inspect_checkpoint({str(fixtures_dir / 'fsdp2_dcp')!r})\n"
+        "print(json.dumps([s.loaded_with_torch, [[t.name, t.shape, t.dtype, t.nbytes] for t in s.tensors][:2], len(s.tensors)]))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary, imported_torch = proc.stdout.splitlines()
+    assert json.loads(summary) == [False, [["embed.weight", [37, 8], "float32", 37 * 8 * 4], ["ln1.weight", [8], "float32", 32]], 16]
+    assert imported_torch == "False"
+    assert ckptkit.inspect_checkpoint(fixtures_dir / "fsdp2_dcp_dim1").loaded_with_torch  # split along dim 1: torch reads it
+
+
+def test_fsdp2_folder_into_hugging_face_shards_without_torch(fixtures_dir: Path, tmp_path: Path) -> None:
+    """DCP in, Hugging Face shards out: chunk by chunk, read back by huggingface_hub."""
+    from huggingface_hub import load_torch_model
+
+    out = tmp_path / "hf"
+    proc, imported_torch = _convert_in_subprocess(str(fixtures_dir / "fsdp2_dcp"), f"{out}/", "--max-shard-size", "300")
+    assert proc.returncode == 0, proc.stderr
+    assert not imported_torch and json.loads(proc.stdout)["fast"]
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("*.safetensors"))) > 1
+    expected = torch.load(fixtures_dir / "fsdp2_dcp.expected.pt", weights_only=True)
+    got: dict[str, torch.Tensor] = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        got |= load_file(shard)
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+
+    from fixtures.make_dcp_fixtures import TinyGPT
+
+    model = TinyGPT()
+    load_torch_model(model, out, strict=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())

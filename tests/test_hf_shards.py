@@ -1,0 +1,254 @@
+"""Hugging Face sharded checkpoints in and out (issue 12, part 1).
+
+In: the fixtures in fixtures/hf/ were written by huggingface_hub's save_torch_state_dict (see
+fixtures/make_hf_fixtures.py); their folder or index opens as one checkpoint everywhere. Out:
+what ckptkit writes is compared with what huggingface_hub writes for the same state dict, and
+read back by huggingface_hub and safetensors themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from huggingface_hub import load_torch_model, save_torch_state_dict
+from safetensors import safe_open
+
+import ckptkit
+from ckptkit.cli import main
+from fixtures.make_hf_fixtures import MAX_SHARD_SIZE, hf_state_dict
+from fixtures.models import TiedLM, TinyNet
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+HF = FIXTURES / "hf"
+TMP_SUFFIX = ".ckptkit-tmp"
+INDEX = {"safetensors": "model.safetensors.index.json", "bin": "pytorch_model.bin.index.json"}
+
+
+def run(*args: object) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def shapes() -> list[tuple[str, Path]]:
+    return [(kind, p) for kind in ("safetensors", "bin") for p in (HF / kind, HF / kind / INDEX[kind])]
+
+
+# -- in: the folder or the index is one checkpoint ---------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "path"), shapes(), ids=lambda v: v if isinstance(v, str) else v.name)
+def test_folder_or_index_reads_as_one_state_dict(kind: str, path: Path) -> None:
+    assert_same(dict(ckptkit.read_checkpoint(path, map_location="cpu")), hf_state_dict())
+    model = TinyNet()
+    ckptkit.load_for_rank(path, model=model, map_location="cpu")
+    assert_same(model.state_dict(), hf_state_dict())
+    assert ckptkit.verify_checkpoint(path).ok
+    summary = ckptkit.inspect_checkpoint(path)
+    assert summary.format == "hf-sharded" and [t.name for t in summary.tensors] == list(hf_state_dict())
+
+
+@pytest.mark.parametrize(("kind", "path"), shapes(), ids=lambda v: v if isinstance(v, str) else v.name)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_cli_converts_inspects_verifies_and_diffs_the_whole_model(tmp_path: Path, kind: str, path: Path, suffix: str) -> None:
+    out = tmp_path / f"model{suffix}"
+    code, stdout, stderr = run("convert", path, out)
+    assert code == 0, stderr
+    assert stdout.startswith(f"{out}: 9 tensors")
+    assert_same(dict(ckptkit.read_checkpoint(out, map_location="cpu")), hf_state_dict())
+    assert run("diff", path, out)[0] == 0
+    code, stdout, _ = run("verify", path)
+    assert code == 0 and "index matches the shards" in stdout
+    code, stdout, _ = run("inspect", path, "--json")
+    assert code == 0 and json.loads(stdout)["tensor_count"] == 9
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_one_shard_gets_a_note_naming_its_index(tmp_path: Path, kind: str) -> None:
+    shard = sorted((HF / kind).glob("*-00002-of-00003.*"))[0]
+    code, stdout, stderr = run("convert", shard, tmp_path / "one.pt")
+    assert code == 0, stderr
+    assert f"note: {shard.name} is shard 2 of 3" in stderr and str(HF / kind / INDEX[kind]) in stderr
+    code, stdout, _ = run("convert", shard, tmp_path / "two.pt", "--json")
+    assert code == 0 and "holds 6 of the 9 tensors" in json.loads(stdout)["notes"][0]
+    for command in (["inspect", shard], ["verify", shard], ["diff", shard, tmp_path / "one.pt"]):
+        assert str(HF / kind / INDEX[kind]) in run(*command)[2]
+        assert str(HF / kind / INDEX[kind]) in json.loads(run(*command, "--json")[1])["notes"][0]
+    assert not run("inspect", HF / kind)[2]  # the whole checkpoint: no note
+
+
+def _copy(kind: str, tmp_path: Path) -> Path:
+    folder = tmp_path / kind
+    shutil.copytree(HF / kind, folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda wm: wm.pop("bn.bias"), "extra key bn.bias in {shard}: the index does not list it"),
+    (lambda wm: wm.update({"fc3.weight": wm["fc1.weight"]}), "missing key fc3.weight: the index puts it in {first}, which does not hold it"),
+    (lambda wm: wm.update({"fc1.bias": wm["fc2.weight"]}), "missing key fc1.bias: the index puts it in {last}, which does not hold it (it is in {shard})"),
+])  # fmt: skip
+def test_a_weight_map_that_disagrees_with_the_shards_names_the_key(tmp_path: Path, kind: str, edit, message: str) -> None:
+    folder = _copy(kind, tmp_path)
+    index = json.loads((folder / INDEX[kind]).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    edit(index["weight_map"])
+    (folder / INDEX[kind]).write_text(json.dumps(index))
+    expected = message.format(shard=files[1], first=files[0], last=files[2])
+    with pytest.raises(ckptkit.CheckpointFormatError, match="disagree") as e:
+        ckptkit.read_checkpoint(folder, map_location="cpu")
+    assert expected in str(e.value)
+    code, _, stderr = run("convert", folder, tmp_path / "out.pt")
+    assert code == 1 and expected in stderr
+    report = ckptkit.verify_checkpoint(folder)
+    assert not report.ok and any(expected in c.detail for c in report.checks if not c.ok)
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_missing_shard_is_named(tmp_path: Path) -> None:
+    folder = _copy("safetensors", tmp_path)
+    (folder / "model-00003-of-00003.safetensors").unlink()
+    code, _, stderr = run("inspect", folder)
+    assert code == 1 and "missing" in stderr and "model-00003-of-00003.safetensors" in stderr
+
+
+# -- out: what huggingface_hub writes -----------------------------------------------------------
+
+
+def _layout(folder: Path) -> tuple[list[str], dict[str, list[str]], dict]:
+    """File names, each shard's tensor names (read by safetensors) and the parsed index."""
+    shards = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        with safe_open(p, framework="pt") as f:
+            shards[p.name] = sorted(f.keys())
+            assert f.metadata()["format"] == "pt"
+    index = folder / "model.safetensors.index.json"
+    return sorted(p.name for p in folder.iterdir()), shards, json.loads(index.read_text()) if index.exists() else {}
+
+
+def _tied_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return TiedLM().state_dict()
+
+
+@pytest.mark.parametrize("size", [100, MAX_SHARD_SIZE, 700, "1KB", "5GB"])
+@pytest.mark.parametrize("make", [hf_state_dict, _tied_state], ids=["plain", "tied"])
+@pytest.mark.parametrize("source", [".pt", ".safetensors", "legacy"])
+def test_the_split_and_index_are_huggingface_hubs(tmp_path: Path, size: int | str, make, source: str) -> None:
+    state = make()
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict(dict(state), tmp_path / "hf", max_shard_size=size)  # it drops tied names from what it is given
+    src = tmp_path / f"src{source if source != 'legacy' else '.pt'}"
+    if source == "legacy":  # read with torch: the torch-side writer
+        torch.save({f"module.{k}": v for k, v in state.items()}, src, _use_new_zipfile_serialization=False)
+    else:
+        ckptkit.write_checkpoint({f"module.{k}": v for k, v in state.items()}, src)
+    report = ckptkit.convert_checkpoint(src, tmp_path / "ours", max_shard_size=size)
+    assert report.fast == (source != "legacy") and report.destination_format == "hf-sharded"
+    assert _layout(tmp_path / "ours") == _layout(tmp_path / "hf")
+    if len(list((tmp_path / "hf").iterdir())) > 1:  # the index, byte for byte where the order is fixed
+        assert (tmp_path / "ours" / "model.safetensors.index.json").read_text() == (tmp_path / "hf" / "model.safetensors.index.json").read_text()
+    model = TiedLM() if make is _tied_state else TinyNet()
+    if make is _tied_state:  # huggingface_hub's strict check misses the name it dropped, for its own save too
+        for folder in ("hf", "ours"):
+            assert load_torch_model(TiedLM(), tmp_path / folder).missing_keys == ["head.weight"]
+    load_torch_model(model, tmp_path / "ours", strict=make is not _tied_state)
+    for k, v in state.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    back = ckptkit.read_checkpoint(tmp_path / "ours", map_location="cpu")
+    assert_same(dict(sorted(back.items())), dict(sorted(state.items())))  # the index's order: shards, then within each
+    if make is _tied_state:
+        assert back["head.weight"] is back["embed.weight"]  # re-tied from the index metadata
+
+
+@pytest.mark.parametrize("dst", ["out/", "existing", "out"])
+def test_which_destinations_are_folders(tmp_path: Path, dst: str) -> None:
+    (tmp_path / "existing").mkdir()
+    extra = () if dst != "out" else ("--max-shard-size", "300")
+    code, stdout, stderr = run("convert", FIXTURES / "ddp.pt", f"{tmp_path}/{dst}", *extra)
+    assert code == 0, stderr
+    folder = tmp_path / dst.rstrip("/")
+    assert folder.is_dir() and run("diff", folder, FIXTURES / "ddp.pt")[0] == 0
+    assert ("4 shards" in stdout) == (dst == "out") and (folder / "model.safetensors").is_file() == (dst != "out")
+
+
+def test_convert_writes_hf_shards_from_hf_shards(tmp_path: Path) -> None:
+    code, stdout, stderr = run("convert", HF / "bin", tmp_path / "st", "--max-shard-size", str(MAX_SHARD_SIZE), "--to", "ddp")
+    assert code == 0, stderr
+    back = ckptkit.read_checkpoint(tmp_path / "st", map_location="cpu")
+    assert_same(dict(back), {f"module.{k}": v for k, v in hf_state_dict().items()})
+    assert ckptkit.verify_checkpoint(tmp_path / "st").ok
+
+
+@pytest.mark.parametrize("size", ["5XB", "0", "-3MB", "MB"])
+def test_a_bad_size_is_a_usage_error(tmp_path: Path, size: str) -> None:
+    code, _, stderr = run("convert", FIXTURES / "ddp.pt", tmp_path / "out", "--max-shard-size", size)
+    assert code == 2 and "--max-shard-size 5GB" in stderr and not (tmp_path / "out").exists()
+    with pytest.raises(ckptkit.errors.ArgumentError, match="max_shard_size='5GB'"):
+        ckptkit.convert_checkpoint(FIXTURES / "ddp.pt", tmp_path / "out", max_shard_size=size)
+
+
+def test_force_replaces_only_a_folder_of_weights(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("convert", HF / "safetensors", out, "--max-shard-size", "400")[0] == 0
+    code, _, stderr = run("convert", FIXTURES / "ddp.pt", out, "--max-shard-size", "300")
+    assert code == 2 and "--force" in stderr
+    assert run("convert", FIXTURES / "ddp.pt", out, "--max-shard-size", "300", "--force")[0] == 0
+    assert run("diff", out, FIXTURES / "ddp.pt")[0] == 0 and len(list(out.iterdir())) == 5  # the 3-shard set is gone
+    (out / "notes.txt").write_text("mine")
+    code, _, stderr = run("convert", FIXTURES / "ddp.pt", out, "--force")
+    assert code == 2 and "notes.txt" in stderr and (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_flipped_bit_in_the_source_fails_and_leaves_no_folder(tmp_path: Path) -> None:
+    src = tmp_path / "ddp.pt"
+    shutil.copy(FIXTURES / "ddp.pt", src)
+    state = torch.load(src, weights_only=True)
+    raw = bytearray(src.read_bytes())
+    at = raw.find(state["module.fc2.weight"].numpy().tobytes())
+    raw[at + 5] ^= 0x10
+    src.write_bytes(bytes(raw))
+    code, _, stderr = run("convert", src, f"{tmp_path}/out/", "--max-shard-size", "300")
+    assert code == 1 and "damaged" in stderr and "module.fc2.weight" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp.pt"]  # no folder, no temp folder
+
+
+def test_a_leftover_temp_folder_of_a_dead_writer_is_removed(tmp_path: Path) -> None:
+    from ckptkit.formats.atomic import temp_path
+
+    stale = temp_path(tmp_path / "out")
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    stale.rename(stale.with_name(stale.name.replace(f"-{os.getpid()}-", "-999999999-")))  # no such pid
+    assert run("convert", FIXTURES / "ddp.pt", f"{tmp_path}/out/")[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_an_interrupted_folder_write_leaves_the_old_folder_or_nothing(tmp_path: Path, existing: bool, stop: type[BaseException]) -> None:
+    from ckptkit.formats.atomicdir import atomic_folder
+
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt if stop is KeyboardInterrupt else ckptkit.errors.CheckpointWriteError):
+        with atomic_folder(out) as tmp:
+            (tmp / "model-00001-of-00002.safetensors").write_bytes(b"half")
+            raise stop()
+    assert [p.name for p in tmp_path.iterdir()] == (["out"] if existing else [])
+    assert not existing or [p.read_bytes() for p in out.iterdir()] == [b"old"]
