@@ -5,8 +5,10 @@
 
 The folder is saved by FSDP2 (``fully_shard``) on 2 gloo ranks: a GPT-like model (the shapes of
 bench_convert.py's) built on the meta device, so each rank holds only its shards. Each run does
-``cp -r``, ``cp -r && sync`` and the convert, in turn, so a change in the machine's load reaches
-all three alike; the table gives min / median / max wall seconds. Memory is the peak ``RssAnon``
+``cp -r``, ``cp -r && sync``, the convert to one file and to Hugging Face shards, and then the
+same weights as one .pt file copied and converted (the single-file baseline), in turn, so a
+change in the machine's load reaches all alike; each input is re-read right before its run;
+the table gives min / median / max wall seconds and ratios to ``cp`` of the same input. Memory is the peak ``RssAnon``
 (private memory) sampled as bench_convert.py does. ckptkit fsyncs what it writes; ``cp`` does not.
 """
 
@@ -103,33 +105,47 @@ def main() -> int:
         src = scratch / "ckpt.dcp"
         make_dcp(src, args.gib)
         size = sum(p.stat().st_size for p in src.iterdir())
-        for p in src.iterdir():
-            warm(p)
-        copy, out = scratch / "copy.dcp", scratch / "single.pt"
-        ck = [sys.executable, "-m", "ckptkit.cli", "convert", str(src), str(out)]
-        cases = [("ckptkit convert ckpt.dcp single.pt", ck, out)]
+        copy, out, shards = scratch / "copy.dcp", scratch / "single.pt", scratch / "hf"
+        flat, flat_copy, flat_out = scratch / "flat.pt", scratch / "flat_copy.pt", scratch / "flat_out.pt"
+        ckptkit = [sys.executable, "-m", "ckptkit.cli", "convert"]
+        subprocess.run([*ckptkit, str(src), str(flat)], check=True, capture_output=True)  # the same weights in one file
+        dcp_in, pt_in = list(src.iterdir()), [flat]
+        # (name, command, output to clear, inputs to re-read, baseline rows: cp, cp && sync)
+        cases = [("ckptkit convert ckpt.dcp single.pt", [*ckptkit, str(src), str(out)], out, dcp_in, "dcp")]
         if not args.only_memory:
-            cases = [("cp -r ckpt.dcp", ["cp", "-r", str(src), str(copy)], copy),
-                     ("cp -r ckpt.dcp && sync", ["sh", "-c", f"cp -r {src} {copy} && sync {copy}/*"], copy), *cases]  # fmt: skip
+            cases = [
+                ("cp -r ckpt.dcp", ["cp", "-r", str(src), str(copy)], copy, dcp_in, ""),
+                ("cp -r ckpt.dcp && sync", ["sh", "-c", f"cp -r {src} {copy} && sync {copy}/*"], copy, dcp_in, ""),
+                *cases,
+                ("ckptkit convert ckpt.dcp hf/ (200MB shards)", [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB"],
+                 shards, dcp_in, "dcp"),
+                ("cp single.pt", ["cp", str(flat), str(flat_copy)], flat_copy, pt_in, ""),
+                ("cp single.pt && sync", ["sh", "-c", f"cp {flat} {flat_copy} && sync {flat_copy}"], flat_copy, pt_in, ""),
+                ("ckptkit convert single.pt out.pt (the same weights)", [*ckptkit, str(flat), str(flat_out)], flat_out, pt_in, "pt"),
+            ]  # fmt: skip
         if args.naive:
-            cases.append(("torch dcp_to_torch_save", [sys.executable, "-c", NAIVE, str(src), str(out)], out))
-        times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+            cases.append(("torch dcp_to_torch_save", [sys.executable, "-c", NAIVE, str(src), str(out)], out, dcp_in, "dcp"))
+        times: dict[str, list[float]] = {c[0]: [] for c in cases}
         mems: dict[str, int] = dict.fromkeys(times, 0)
         for _ in range(1 if args.only_memory else args.runs):
-            for name, cmd, target in cases:  # interleaved: one of each per round
+            for name, cmd, target, inputs, _ in cases:  # interleaved: one of each per round
                 _clear(target)
+                os.sync()  # no dirty pages left over from the previous command to slow this one
+                for p in inputs:  # re-read untimed right before the run: a daemon here evicts idle page cache
+                    warm(p)
                 t, m = run(cmd)
                 times[name].append(t)
                 mems[name] = max(mems[name], m)
-        out_size = out.stat().st_size
-        base = statistics.median(times[cases[0][0]])
-        print(f"\nDCP folder: {size / 2**30:.2f} GiB in {len(list(src.iterdir()))} files ({size:,} bytes), saved by FSDP2 "
-              f"on 2 ranks; single.pt {out_size:,} bytes; {len(times[cases[0][0]])} interleaved run(s)\n")  # fmt: skip
-        print("| command | min s | median s | max s | x first row (median) | peak RssAnon MiB |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            print(f"| {name} | {min(ts):.3f} | {med:.3f} | {max(ts):.3f} | {med / base:.2f} | {mems[name]} |")
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        base = {"dcp": ("cp -r ckpt.dcp", "cp -r ckpt.dcp && sync"), "pt": ("cp single.pt", "cp single.pt && sync")}
+        print(f"\nDCP folder: {size / 2**30:.2f} GiB in {len(dcp_in)} files ({size:,} bytes), saved by FSDP2 on 2 ranks; "
+              f"{args.runs if not args.only_memory else 1} interleaved run(s), inputs re-read before each\n")  # fmt: skip
+        print("| command | min / median / max s | x cp | x cp && sync | peak RssAnon MiB |")
+        print("|---|---|---:|---:|---:|")
+        for name, _, _, _, kind in cases:
+            ts = times[name]
+            xs = [f"{med[name] / med[b]:.2f}" if kind in base and b in med else "" for b in base.get(kind, ("", ""))]
+            print(f"| {name} | {min(ts):.3f} / {med[name]:.3f} / {max(ts):.3f} | {xs[0]} | {xs[1]} | {mems[name]} |")
         subprocess.run(["df", "-h", str(scratch)], check=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
