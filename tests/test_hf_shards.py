@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,14 @@ def test_an_interrupted_folder_write_leaves_the_old_folder_or_nothing(tmp_path: 
             raise stop()
     assert [p.name for p in tmp_path.iterdir()] == (["out"] if existing else [])
     assert not existing or [p.read_bytes() for p in out.iterdir()] == [b"old"]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_one_shard_in_python_warns_naming_its_index(kind: str) -> None:
+    shard = sorted((HF / kind).glob("*-00002-of-00003.*"))[0]
+    with pytest.warns(UserWarning, match=r"is shard 2 of 3 of a sharded checkpoint: it holds 6 of the 9 tensors"):
+        part = ckptkit.read_checkpoint(shard)
+    assert len(part) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the whole checkpoint: no warning
+        assert len(ckptkit.read_checkpoint(HF / kind)) == 9

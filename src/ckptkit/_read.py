@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ._dcpread import read_dcp
@@ -14,7 +16,7 @@ from ._sttorch import load_tensors
 from ._torchload import torch_load
 from .errors import CheckpointFormatError
 from .formats.detect import DCP, HF, SAFETENSORS, detect_format
-from .formats.hfshards import check_shard_keys, read_index
+from .formats.hfshards import check_shard_keys, read_index, shard_note
 
 
 def read_checkpoint(
@@ -54,6 +56,12 @@ def read_checkpoint(
         ['best_loss', 'epoch', 'model', 'optimizer', 'scheduler', 'step']
     """
     source = os.fspath(path)
+    if note := shard_note(Path(source)):  # one shard alone loads as a partial model: say so
+        warnings.warn(note, stacklevel=2)
+    return _read(source, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
+
+
+def _read(source: str, *, map_location: MapLocation, trust: bool, allow_globals: AllowGlobals, mmap: bool) -> Any:
     fmt = detect_format(source)
     if fmt == HF:
         return _read_shards(source, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
@@ -73,7 +81,7 @@ def _read_shards(source: str, **options: Any) -> OrderedDict[str, Any]:
         path = index.folder / shard
         if detect_format(path) in (HF, DCP):
             raise CheckpointFormatError(f"{index.path}: shard {shard} is not a file of tensors")
-        shards[shard] = read_checkpoint(path, **options)
+        shards[shard] = _read(os.fspath(path), **options)
         if not isinstance(shards[shard], Mapping):
             raise CheckpointFormatError(f"{path}: a shard of {index.path} must hold a mapping of tensors, not a {type(shards[shard]).__name__}")
     check_shard_keys(index, {s: list(sd) for s, sd in shards.items()})
