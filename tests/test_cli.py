@@ -14,6 +14,7 @@ import ckptkit
 from ckptkit.cli import main
 from ckptkit.formats.atomic import TMP_SUFFIX
 from fixtures.models import TiedLM, TinyNet
+from tests.torchfree import run_torch_free
 
 ALL_FIXTURES = ["plain.pt", "ddp.pt", "dp.pth", "compiled.pt", "compiled_of_ddp.pt", "ddp_of_compiled.pt",
                 "train_ckpt.pt", "legacy_ddp.pt", "ddp.safetensors", "cuda0_ddp.pt", "lightning.ckpt"]  # fmt: skip
@@ -167,22 +168,15 @@ def test_code_payload_never_runs_through_any_command(tmp_path: Path) -> None:
 
 
 def test_fast_convert_and_inspect_never_import_torch(fixtures_dir: Path, tmp_path: Path) -> None:
-    script = (
-        "import sys\n"
-        "from ckptkit.cli import main\n"
-        f"for args in (['convert', {str(fixtures_dir / 'train_ckpt.pt')!r}, {str(tmp_path / 'a.pt')!r}],\n"
-        f"             ['convert', {str(fixtures_dir / 'ddp.pt')!r}, {str(tmp_path / 'b.safetensors')!r}],\n"
-        f"             ['convert', {str(tmp_path / 'b.safetensors')!r}, {str(tmp_path / 'c.pt')!r}],\n"
-        f"             ['inspect', {str(fixtures_dir / 'train_ckpt.pt')!r}], ['verify', {str(tmp_path / 'c.pt')!r}]):\n"
-        "    try:\n"
-        "        main(args, standalone_mode=False)\n"
-        "    except SystemExit as e:\n"
-        "        assert not e.code, e.code\n"
-        "print('torch imported:', 'torch' in sys.modules)\n"
+    proc, imported = run_torch_free(
+        ["convert", fixtures_dir / "train_ckpt.pt", tmp_path / "a.pt"],
+        ["convert", fixtures_dir / "ddp.pt", tmp_path / "b.safetensors"],
+        ["convert", tmp_path / "b.safetensors", tmp_path / "c.pt"],
+        ["inspect", fixtures_dir / "train_ckpt.pt"],
+        ["verify", tmp_path / "c.pt"],
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("torch imported: False")
+    assert not imported
 
 
 def test_inspect_text_and_json(fixtures_dir: Path) -> None:

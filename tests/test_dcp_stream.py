@@ -21,6 +21,7 @@ import ckptkit
 from ckptkit.errors import CheckpointFormatError
 from ckptkit.formats.atomic import TMP_SUFFIX
 from ckptkit.formats.dcpstream import DcpTensor, open_dcp
+from tests.torchfree import run_torch_free
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
@@ -37,21 +38,8 @@ def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 
 
 def _convert_in_subprocess(*args: str) -> tuple[subprocess.CompletedProcess[str], bool]:
-    """Run ``ckptkit convert ARGS --json`` in a fresh interpreter; also say whether torch was imported."""
-    script = (
-        "import sys\n"
-        "from ckptkit.cli import main\n"
-        "try:\n"
-        f"    main(['convert', *{list(args)!r}, '--json'], standalone_mode=False)\n"
-        "except SystemExit as e:\n"
-        "    code = e.code\n"
-        "else:\n"
-        "    code = 0\n"
-        "print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
-        "sys.exit(code)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    return proc, "torch imported: True" in proc.stderr
+    """``ckptkit convert ARGS --json`` in a fresh interpreter; also whether torch was imported."""
+    return run_torch_free(["convert", *args, "--json"])
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import struct
-import subprocess
 import sys
 import zipfile
 import zlib
@@ -29,6 +28,7 @@ import ckptkit
 from ckptkit.cli import main
 from ckptkit.errors import UnsafeCheckpointError
 from ckptkit.prefix import rewrite_prefixes
+from tests.torchfree import run_torch_free
 
 PICKLED = Path(__file__).resolve().parent.parent / "fixtures" / "pickled"
 NAMES = ["plain", "dp", "ddp", "compiled", "dp_of_compiled", "gone"]
@@ -336,18 +336,11 @@ def test_trusted_module_whose_classes_do_import(name: str, tmp_path: Path, monke
 
 
 def test_fast_path_never_imports_torch(tmp_path: Path) -> None:
-    script = (
-        "import sys\n"
-        "from ckptkit.cli import main\n"
-        f"for args in (['convert', {str(PICKLED / 'ddp.pt')!r}, {str(tmp_path / 'a.safetensors')!r}],\n"
-        f"             ['convert', {str(PICKLED / 'compiled.pt')!r}, {str(tmp_path / 'b.pt')!r}],\n"
-        f"             ['inspect', {str(PICKLED / 'gone.pt')!r}], ['verify', {str(PICKLED / 'dp.pt')!r}]):\n"
-        "    try:\n"
-        "        main(args, standalone_mode=False)\n"
-        "    except SystemExit as e:\n"
-        "        assert not e.code, e.code\n"
-        "print('torch imported:', 'torch' in sys.modules)\n"
+    proc, imported = run_torch_free(
+        ["convert", PICKLED / "ddp.pt", tmp_path / "a.safetensors"],
+        ["convert", PICKLED / "compiled.pt", tmp_path / "b.pt"],
+        ["inspect", PICKLED / "gone.pt"],
+        ["verify", PICKLED / "dp.pt"],
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("torch imported: False")
+    assert not imported

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import _compat_pickle
 import io
 import os
 import pickletools
@@ -24,6 +23,7 @@ from typing import Any, BinaryIO, cast
 from ..errors import PARSE_ERRORS, CheckpointFormatError
 from .detect import LEGACY, ZIP, detect_format
 from .fileio import ClampedReader
+from .torchpickle import python3_name
 
 _STRING_OPS = frozenset(
     {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
@@ -32,13 +32,7 @@ _MARK = object()
 
 
 def _python3_name(module: str, name: str, protocol: int) -> str:
-    # What pickle.Unpickler(fix_imports=True) does for protocols 0-2.
-    if protocol < 3:
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
-    return f"{module}.{name}"
+    return ".".join(python3_name(module, name, protocol))  # what pickle.Unpickler(fix_imports=True) does
 
 
 def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
