@@ -27,7 +27,8 @@ ALLOW_GLOBAL = click.option(
 @click.option("--add", multiple=True, metavar="PREFIX", help="Add PREFIX to every key (repeatable).")
 @click.option("--model-only", "--weights-only", "model_only", is_flag=True,
               help="Write only the model state dict, dropping optimizer etc. (--weights-only: the former name).")  # fmt: skip
-@click.option("--key", metavar="PATH", help="Where the weights are in SRC, e.g. ema or ema/model.")
+@click.option("--key", metavar="PATH", help="Where the weights are in SRC, e.g. ema or ema/model; student. (ending in .) "
+              "picks the keys under that prefix, with --model-only.")
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling of SRC. Only for files you trust.")
 @ALLOW_GLOBAL
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
@@ -44,8 +45,10 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
 
     Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
     they were unless --model-only. DST appears only when complete; SRC is never modified.
-    SRC may be Hugging Face shards (their folder or index); a DST ending in / (or an existing
-    folder, or --max-shard-size) is written as Hugging Face safetensors shards (default 5GB each).
+    SRC may be Hugging Face shards (their folder or index), a DCP folder (copied chunk by chunk)
+    or a whole pickled model (torch.save(model): its state_dict(), read without running it).
+    A DST ending in / (or an existing folder, or --max-shard-size) is written as Hugging Face
+    safetensors shards (default 5GB each); --format dcp writes a DCP folder.
     """
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
         report = convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
