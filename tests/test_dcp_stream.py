@@ -218,3 +218,21 @@ def test_fsdp2_folder_into_hugging_face_shards_without_torch(fixtures_dir: Path,
     model = TinyGPT()
     load_torch_model(model, out, strict=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_metadata_naming_a_dotted_attribute_of_a_dcp_module_is_refused(tmp_path: Path, command: str) -> None:
+    """STACK_GLOBAL ("torch.distributed.checkpoint.metadata", "os.system") is os.system: only
+    DCP's exact class names are safe, not everything under its modules' names."""
+    folder, marker = tmp_path / "evil.dcp", tmp_path / "ran"
+    folder.mkdir()
+    module, name, arg = b"torch.distributed.checkpoint.metadata", b"os.system", f"touch {marker}".encode()
+    (folder / ".metadata").write_bytes(
+        b"\x80\x04" + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module + pickle.SHORT_BINUNICODE + bytes([len(name)])
+        + name + pickle.STACK_GLOBAL + pickle.SHORT_BINUNICODE + bytes([len(arg)]) + arg + pickle.TUPLE1 + pickle.REDUCE
+        + pickle.STOP
+    )  # fmt: skip
+    args = [command, str(folder)] + ([str(tmp_path / "out.pt")] if command == "convert" else [])
+    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and not marker.exists()
+    assert "torch.distributed.checkpoint.metadata.os.system" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr

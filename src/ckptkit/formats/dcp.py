@@ -14,7 +14,14 @@ from .dtypes import BY_NAME
 from .fileio import ClampedReader
 from .scan import pickle_globals
 
-_DCP_CLASSES = ("torch.distributed.checkpoint.metadata.", "torch.distributed.checkpoint.filesystem._StorageInfo")
+# Exact names: a protocol-4 pickle can name a dotted attribute of a module (STACK_GLOBAL with
+# qualname "os.system" in torch.distributed.checkpoint.metadata is os.system), so a prefix
+# match would admit anything those modules import.
+_DCP_CLASSES = frozenset(
+    [f"torch.distributed.checkpoint.metadata.{c}" for c in ("BytesStorageMetadata", "ChunkStorageMetadata", "Metadata",
+     "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")]
+    + ["torch.distributed.checkpoint.filesystem._StorageInfo"]
+)  # fmt: skip
 _OTHER_SAFE = frozenset(
     {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict", "builtins.set", "builtins.frozenset",
      "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.WindowsPath", "pathlib.PureWindowsPath",
@@ -24,7 +31,7 @@ _OTHER_SAFE = frozenset(
 
 def is_dcp_class(name: str) -> bool:
     """True for a global DCP's ``.metadata`` may name safely (its dataclasses, dtypes, paths)."""
-    if name in _OTHER_SAFE or name.startswith(_DCP_CLASSES[0]) or name == _DCP_CLASSES[1]:
+    if name in _OTHER_SAFE or name in _DCP_CLASSES:
         return True
     module, _, attr = name.rpartition(".")
     return module == "torch" and attr in BY_NAME
