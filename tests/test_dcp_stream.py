@@ -236,3 +236,49 @@ def test_metadata_naming_a_dotted_attribute_of_a_dcp_module_is_refused(tmp_path:
     proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and not marker.exists()
     assert "torch.distributed.checkpoint.metadata.os.system" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
+def _limited_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # a reader that allocates for the claim fails, not the machine
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "read"])
+def test_a_planner_data_index_beyond_the_entries_is_refused_before_any_reader_allocates(
+    fixtures_dir: Path, tmp_path: Path, command: str
+) -> None:
+    """planner_data ('embed.weight', 10**14) made ckptkit's reader and torch's allocate a list that
+    long from a 60-byte .metadata field: a MemoryError traceback, or the machine's memory."""
+    folder = tmp_path / "big.dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # the fixture's own, written by DCP
+    meta.planner_data["embed.weight"] = ("embed.weight", 10**14)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    args = {"convert": ["convert", str(folder), str(tmp_path / "o.pt")], "read": [], "verify": ["verify", str(folder), "--json"]}.get(
+        command, [command, str(folder)]
+    )
+    cmd = [sys.executable, "-m", "ckptkit.cli", *args] if args else [
+        sys.executable, "-c", f"import ckptkit; ckptkit.read_checkpoint({str(folder)!r})"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=_limited_memory)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "planner_data path ['embed.weight', 100000000000000] has list index 100000000000000, beyond the folder's 16 entries" in (
+        proc.stdout + proc.stderr
+    )
+    assert "MemoryError" not in proc.stderr and (command == "read" or "Traceback" not in proc.stderr)
+
+
+def test_verify_checks_every_chunk_against_its_crc(fixtures_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "flip.dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
+    src = open_dcp(folder)
+    piece = src.obj["qkv.weight"].pieces[1]
+    src.close()
+    data = bytearray((folder / piece.file).read_bytes())
+    data[piece.offset + 3] ^= 0x10
+    (folder / piece.file).write_bytes(bytes(data))
+    report = ckptkit.verify_checkpoint(folder)
+    failed = [c for c in report.checks if not c.ok]
+    assert [c.name for c in failed] == ["CRC-32 of every chunk"]
+    assert f"qkv.weight ({piece.where})" in failed[0].detail
+    assert ckptkit.verify_checkpoint(fixtures_dir / "fsdp2_dcp").ok

@@ -20,7 +20,10 @@ from ._devices import MapLocation, single_device
 from ._safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
 from .errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError
 from .formats.dcp import unsafe_metadata_globals
+from .formats.dcpmeta import read_metadata
 from .formats.scan import pickle_globals
+from .formats.source import NeedsTorch
+from .formats.torchpickle import UnsupportedGlobal
 
 
 def read_dcp(
@@ -46,6 +49,10 @@ def read_dcp(
     unsafe = [g for g in unsafe if g not in {global_name(a) for a in allowed}]
     if unsafe and not trust:
         raise unsafe_error(str(folder), unsafe, where=" its .metadata", plain_pickle=True)
+    try:  # its own checks first: a planner_data index of 10**14 makes torch's reader allocate that
+        read_metadata(folder)
+    except (NeedsTorch, UnsupportedGlobal):
+        pass  # laid out beyond the torch-free reader, or names allowed globals: torch reads it
     state = _load(folder, trust, allowed)
     return _to_device(state, device) if device != "cpu" else state
 

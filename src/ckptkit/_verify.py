@@ -26,6 +26,7 @@ from .errors import (
     summarize,
 )
 from .formats.dcp import unsafe_metadata_globals
+from .formats.dcpstream import chunk_crc_check, open_dcp
 from .formats.detect import DCP, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.fileio import Progress
 from .formats.hfshards import read_index, shard_note
@@ -179,6 +180,17 @@ def _dcp(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     checks = [Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))]
     if unsafe:
         return checks
+    try:  # ckptkit's own reader first: what it refuses (a planner_data index of 10**14), torch's must not see
+        src = open_dcp(p)
+    except CheckpointFormatError as e:
+        return [*checks, Check("metadata", "integrity", False, str(e))]
+    except (NeedsTorch, UnsupportedGlobal):
+        pass  # laid out beyond the torch-free reader: torch's reader checks it below
+    else:
+        try:
+            checks += [chunk_crc_check(src, progress)] if full else []
+        finally:
+            src.close()
     from torch.distributed.checkpoint import FileSystemReader
 
     try:

@@ -132,6 +132,8 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
         meta = lp.loads(ClampedReader(f), unpickler=_Unpickler)  # type: ignore[arg-type]
     try:
         return _interpret(meta)
+    except CheckpointFormatError as e:  # what no reader may accept (torch's would allocate for it)
+        raise CheckpointFormatError(f"{folder}/{e}") from None
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:  # DCP's classes, in a shape not modelled
         raise NeedsTorch(f".metadata is laid out in a way this reader does not model ({type(e).__name__}: {e})") from e
 
@@ -150,7 +152,8 @@ def _interpret(meta: Any) -> DcpMetadata:
     entries: dict[str, TensorEntry | BytesEntry] = {}
     for fqn, md in _mapping(meta.field("state_dict_metadata"), "state_dict_metadata").items():
         entries[_str(fqn)] = _entry(_str(fqn), md, stored)
-    paths = {_str(k): tuple(_path(v)) for k, v in _mapping(meta.field("planner_data") or {}, "planner_data").items()}
+    planner = _mapping(meta.field("planner_data") or {}, "planner_data")
+    paths = {_str(k): tuple(_path(v, len(planner))) for k, v in planner.items()}
     return DcpMetadata(entries, paths)
 
 
@@ -206,7 +209,13 @@ def _ints(value: Any) -> tuple[int, ...]:
     return tuple(_int(v) for v in value)
 
 
-def _path(value: Any) -> list[str | int]:
+def _path(value: Any, entries: int) -> list[str | int]:
+    """A key path; a list index in it can only count the folder's own entries (a larger one would
+    make the reader allocate a list that long: 10**14 from a 60-byte field)."""
     if not isinstance(value, (tuple, list)) or not value or not all(isinstance(p, (str, int)) for p in value):
         raise NeedsTorch(f".metadata's planner_data holds {value!r:.60}, not a key path")
+    bad = [p for p in value if isinstance(p, int) and not 0 <= p < entries]
+    if bad:
+        raise CheckpointFormatError(f".metadata's planner_data path {list(value)!r:.80} has list index {bad[0]}, "
+                                    f"beyond the folder's {entries} entries")  # fmt: skip
     return list(value)
