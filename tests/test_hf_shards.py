@@ -264,3 +264,29 @@ def test_one_shard_in_python_warns_naming_its_index(kind: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the whole checkpoint: no warning
         assert len(ckptkit.read_checkpoint(HF / kind)) == 9
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_an_index_naming_an_index_as_its_shard_is_an_error_not_a_recursion(tmp_path: Path, command: str) -> None:
+    folder = tmp_path / "loop"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"a": "model.safetensors.index.json"}}))
+    code, stdout, stderr = run(command, folder, *([tmp_path / "o.pt"] if command == "convert" else []))
+    assert code == 1 and "Traceback" not in stderr and "RecursionError" not in stdout + stderr
+    said = stdout + stderr
+    assert "is not a file of tensors" in said or "is not a shard" in said  # (verify's text shortens long paths)
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="is not a file of tensors"):
+        ckptkit.read_checkpoint(folder)
+
+
+def test_a_single_file_folder_takes_only_alias_entries_from_its_metadata(tmp_path: Path) -> None:
+    """huggingface_hub's single file records {"format": "pt"}; a tensor named "pt" made "format" look
+    like a tied alias of it."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "one"
+    folder.mkdir()
+    save_file({"pt": torch.ones(2), "w": torch.zeros(3)}, folder / "model.safetensors", metadata={"format": "pt"})
+    assert list(ckptkit.read_checkpoint(folder)) == ["pt", "w"]
+    ckptkit.convert_checkpoint(folder, tmp_path / "o.pt")
+    assert list(torch.load(tmp_path / "o.pt", weights_only=True)) == ["pt", "w"]

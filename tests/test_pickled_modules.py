@@ -11,6 +11,7 @@ import json
 import os
 import re
 import struct
+import subprocess
 import sys
 import zipfile
 import zlib
@@ -344,3 +345,29 @@ def test_fast_path_never_imports_torch(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert not imported
+
+
+def _limited_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "read"])
+def test_a_module_shared_along_2_to_the_40_paths_is_refused_not_walked(tmp_path: Path, command: str) -> None:
+    """10 kB of pickle: one Linear reachable as .a and .b at each of 40 levels (state_dict() would
+    name it 2**40 times)."""
+    m: nn.Module = nn.Linear(2, 2)
+    for _ in range(40):
+        parent = nn.Module()
+        parent.a = m
+        parent.b = m
+        m = parent
+    torch.save(m, tmp_path / "dag.pt")
+    args = {"inspect": ["-m", "ckptkit.cli", "inspect", str(tmp_path / "dag.pt")],
+            "convert": ["-m", "ckptkit.cli", "convert", str(tmp_path / "dag.pt"), str(tmp_path / "o.pt")],
+            "read": ["-c", f"import ckptkit; ckptkit.read_checkpoint({str(tmp_path / 'dag.pt')!r})"]}[command]  # fmt: skip
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, preexec_fn=_limited_memory)
+    assert proc.returncode == 1
+    assert "its modules would be visited more than 200,000 times (a submodule shared along many paths)" in proc.stderr
+    assert not (tmp_path / "o.pt").exists()

@@ -103,6 +103,8 @@ def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) 
     try:
         mp.read_module(z.read(f"{z.prefix}data.pkl"), trust=trust, allow=[global_name(g) for g in allowed], on_storage=fits)
         modelled = True
+    except mp.Unbounded as e:  # torch's state_dict() would not end either
+        raise CheckpointFormatError(f"{source}: pickled module: {e}") from None
     except (mp.NotAModule, CheckpointFormatError):
         return False  # torch's loader reads it, and says what is wrong
     except mp.UnsafeModulePickle as e:

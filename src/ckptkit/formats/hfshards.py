@@ -31,6 +31,7 @@ MAX_INDEX_BYTES = 10_000_000  # an index is names only; huggingface_hub refuses 
 _UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's SIZE_UNITS: decimal
 SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?P<ext>\.[^.]+)$")
 # Everything save_torch_state_dict may have written in a folder (its own clean-up regex, both patterns).
+_NOT_ALIASES = frozenset({"format", "total_size"})  # huggingface_hub's own metadata keys
 HF_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin)(\.index\.json)?$")
 
 
@@ -58,7 +59,8 @@ class HfIndex:
     def tied(self) -> dict[str, str]:
         """``{dropped name: kept name}`` for tied tensors stored once (huggingface_hub's metadata entries
         naming a tensor the weight map lacks after one it has)."""
-        return {k: v for k, v in self.metadata.items() if k not in self.weight_map and isinstance(v, str) and v in self.weight_map}
+        return {k: v for k, v in self.metadata.items()
+                if k not in _NOT_ALIASES and k not in self.weight_map and isinstance(v, str) and v in self.weight_map}  # fmt: skip
 
     def total_bytes(self) -> int:
         """The index's and every shard's size on disk (missing shards count 0)."""

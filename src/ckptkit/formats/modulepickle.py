@@ -206,6 +206,13 @@ def describe(module: Instance) -> str:
     return "(".join(names) + ")" * (len(names) - 1)
 
 
+MAX_MODULE_VISITS = 200_000  # the largest models have a few thousand modules
+
+
+class Unbounded(CheckpointFormatError):
+    """The walk would not end: a child shared along so many paths that its keys grow as 2**depth."""
+
+
 def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[str, Any]:
     """``root.state_dict()`` computed from the pickled attributes; ``leaf(key, value)`` gives each tensor.
 
@@ -214,16 +221,21 @@ def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[s
 
     Raises:
         Unmodelled: state-dict hooks, or a child that is not a pickled module.
-        CheckpointFormatError: a module that contains itself.
+        CheckpointFormatError: a module that contains itself, or one reached along so many paths
+            that the walk would not end (:data:`MAX_MODULE_VISITS`).
     """
     out: OrderedDict[str, Any] = OrderedDict()
     active: set[int] = set()  # the modules on the path from the root: a cycle comes back to one
     todo: list[tuple[Any, str | None]] = [(root, "")]  # (module, prefix), or (module, None): leaving it
+    visits = 0
     while todo:
         module, prefix = todo.pop()
         if prefix is None:
             active.discard(id(module))
             continue
+        visits += 1
+        if visits > MAX_MODULE_VISITS:  # a child shared along many paths: 2**depth visits from a few kB
+            raise Unbounded(f"its modules would be visited more than {MAX_MODULE_VISITS:,} times (a submodule shared along many paths)")
         where = prefix.rstrip(".") or "the top-level module"
         if not is_module(module):
             raise Unmodelled(f"{where} is a {type(module).__name__}, not a pickled module")

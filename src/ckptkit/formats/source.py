@@ -18,7 +18,7 @@ from ..errors import CheckpointFormatError
 from . import modulepickle as mp
 from . import torchpickle as lp
 from .bounds import check_tensors
-from .detect import HF, SAFETENSORS, ZIP, detect_format
+from .detect import DCP, HF, SAFETENSORS, ZIP, detect_format
 from .hfshards import HfIndex, check_shard_keys, read_index
 from .safetensors import insert_aliases, parse_aliases, parse_crcs, read_header
 from .torchzip import TorchZip
@@ -128,7 +128,10 @@ def _open_shards(index: HfIndex) -> Source:
     try:
         for shard in index.shards:
             path = index.folder / shard
-            part = open_source(path, detect_format(path))
+            fmt = detect_format(path)
+            if fmt in (HF, DCP):  # an index naming an index (itself), or a folder: not a file of tensors
+                raise CheckpointFormatError(f"{index.path}: shard {shard} is not a file of tensors")
+            part = open_source(path, fmt)
             merged.parts.append(part)
             if not isinstance(part.obj, Mapping) or not all(is_leaf(v) for v in part.obj.values()):
                 raise CheckpointFormatError(f"{path}: a shard of {index.path} must hold a flat mapping of tensors")
