@@ -290,3 +290,36 @@ def test_a_single_file_folder_takes_only_alias_entries_from_its_metadata(tmp_pat
     assert list(ckptkit.read_checkpoint(folder)) == ["pt", "w"]
     ckptkit.convert_checkpoint(folder, tmp_path / "o.pt")
     assert list(torch.load(tmp_path / "o.pt", weights_only=True)) == ["pt", "w"]
+
+
+def test_a_file_output_over_a_source_shard_is_refused(tmp_path: Path) -> None:
+    folder = _copy("safetensors", tmp_path)
+    shard = folder / "model-00001-of-00003.safetensors"
+    before = shard.read_bytes()
+    for src in (folder, folder / "model.safetensors.index.json"):
+        code, _, stderr = run("convert", src, shard, "--force")
+        assert code == 2 and f"{shard} is a file of the source" in stderr
+    assert shard.read_bytes() == before
+
+
+def test_a_symlinked_output_folder_is_refused_and_left_alone(tmp_path: Path) -> None:
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    code, _, stderr = run("convert", FIXTURES / "ddp.pt", link, "--max-shard-size", "2KB")
+    assert code == 2 and "is a symbolic link; give the folder it points to" in stderr
+    assert link.is_symlink() and list(real.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_a_key_in_two_shards_is_an_error_not_the_later_one(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "dup"
+    folder.mkdir()
+    save_file({"a": torch.ones(1), "b": torch.ones(1)}, folder / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.zeros(1)}, folder / "model-00002-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"key b is in 2 shards"):
+        ckptkit.read_checkpoint(folder)
+    assert run("verify", folder)[0] == 1

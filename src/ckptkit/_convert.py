@@ -39,14 +39,25 @@ def _dcp_flag() -> str:
     return spell('format="dcp"', "--format dcp")
 
 
+def _source_files(src: Path) -> list[Path]:
+    """Every file a source is read from: itself, or a folder's files, or an index and its shards."""
+    if src.is_dir():
+        return [p for p in src.iterdir() if p.is_file()]
+    if src.name.endswith(".index.json"):
+        return [src, *(p for p in src.parent.iterdir() if p.is_file())]
+    return [src] if src.exists() else []
+
+
 def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> Format:
     if format == DCP:  # a folder DCP's writer fills; anything else in it would go with it
         check_folder_destination(src, dst, force=force, owned=lambda n: n == ".metadata" or n.endswith(".distcp"), what="DCP files")
         return DCP
     fmt = format_for(dst, default=None)
     if dst.exists():
-        if src.exists() and os.path.samefile(src, dst):
-            raise ArgumentError(f"{dst} is the source file; write the result to another path (SRC is never modified)")
+        if any(os.path.samefile(f, dst) for f in _source_files(src)):
+            same = src.is_file() and os.path.samefile(src, dst)
+            raise ArgumentError(f"{dst} is {'the source file' if same else f'a file of the source {src}'}; "
+                                "write the result to another path (SRC is never modified)")  # fmt: skip
         if not force:
             raise ArgumentError(f"{dst} exists; pass {spell('force=True', '--force')} to replace it")
     return fmt

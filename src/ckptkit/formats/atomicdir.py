@@ -50,7 +50,9 @@ def _install(tmp: Path, dest: Path) -> None:
     if _exchange(tmp, dest):
         shutil.rmtree(tmp)  # now the old folder
         return
-    old = temp_path(dest)  # a dead writer's name pattern: the next writer clears it if we die here
+    # Not a temp name: were this process killed between the renames, the old folder must stay
+    # for the user to find (remove_stale_temps would delete a dead writer's temp folder).
+    old = dest.with_name(f".{dest.name}.replaced-{os.getpid()}-{os.urandom(4).hex()}")
     os.rename(dest, old)
     os.rename(tmp, dest)
     shutil.rmtree(old)
@@ -70,6 +72,8 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise CheckpointWriteError(f"cannot write {dest}: {parent} {what}; create the folder first")
+    if dest.is_symlink():  # the swap would replace the link, not the folder it points to
+        raise CheckpointWriteError(f"cannot write folder {dest}: it is a symbolic link; give the folder it points to, {dest.resolve()}")
     if dest.exists() and not dest.is_dir():
         raise CheckpointWriteError(f"cannot write folder {dest}: a file has that name; remove it or choose another")
     remove_stale_temps(dest)
@@ -96,6 +100,8 @@ def check_folder_destination(src: Path, dest: Path, *, force: bool, owned: Calla
 
     The output replaces the whole folder, so anything else there would be lost with it.
     """
+    if dest.is_symlink():
+        raise ArgumentError(f"{dest} is a symbolic link; give the folder it points to ({dest.resolve()}) or a new path")
     if dest.exists() and not dest.is_dir():
         raise ArgumentError(f"{dest} is a file; this output is a folder: give a new folder's path, e.g. {dest.with_suffix('')}/")
     if not dest.is_dir():

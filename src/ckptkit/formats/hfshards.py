@@ -142,6 +142,11 @@ def check_shard_keys(index: HfIndex, found: Mapping[str, Sequence[str]]) -> None
             also = f" (it is in {where[key]})" if key in where else ""
             problems.append(f"missing key {key}: the index puts it in {shard}, which does not hold it{also}")
     problems += [f"extra key {k} in {s}: the index does not list it" for k, s in where.items() if k not in index.weight_map]
+    held: dict[str, list[str]] = {}
+    for shard, keys in found.items():
+        for k in keys:
+            held.setdefault(k, []).append(shard)
+    problems += [f"key {k} is in {len(s)} shards ({', '.join(s)})" for k, s in held.items() if len(s) > 1]
     if problems:
         raise CheckpointFormatError(
             f"{index.path} and its shards disagree: {summarize(problems, 3)}. The folder is incomplete or "
