@@ -371,3 +371,17 @@ def test_a_module_shared_along_2_to_the_40_paths_is_refused_not_walked(tmp_path:
     assert proc.returncode == 1
     assert "its modules would be visited more than 200,000 times (a submodule shared along many paths)" in proc.stderr
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_a_quantized_module_is_not_read_as_its_parameters(tmp_path: Path) -> None:
+    """Its packed weights are saved by its own _save_to_state_dict: the inert walk would miss them."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notes
+        q = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(4, 4)), {nn.Linear}, dtype=torch.qint8)
+        torch.save(q, tmp_path / "q.pt")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "q.pt"), str(tmp_path / "o.pt"),
+                                       "--allow-global", "torch._utils._rebuild_qtensor"])  # fmt: skip
+    assert result.exit_code == 1 and "is a quantized module, whose state_dict() is its own code" in result.output
+    assert not (tmp_path / "o.pt").exists()

@@ -243,6 +243,8 @@ def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[s
             raise CheckpointFormatError(f"module {where} contains itself")
         active.add(id(module))
         attrs = module.attrs
+        if ".quantized" in getattr(module.cls, "module", ""):  # packed weights, saved by its own _save_to_state_dict
+            raise Unmodelled(f"{where} ({module.cls.name}) is a quantized module, whose state_dict() is its own code")
         for hooks in ("_state_dict_hooks", "_state_dict_pre_hooks"):
             if attrs.get(hooks):
                 raise Unmodelled(f"{where} ({module.cls.name}) has {len(attrs[hooks])} {hooks}, which state_dict() would run")
