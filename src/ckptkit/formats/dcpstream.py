@@ -33,6 +33,7 @@ from .safetensors import write_with_crcs
 from .torchzip import SliceReader, TorchZip, ZipWriter
 
 _MAX_VALUE = 64 << 20  # a non-tensor value's pickle read into memory; larger ones go through torch
+_WINDOW = 4096  # bytes read up front at each end of a chunk's zip: its headers, small records and directory
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,9 @@ def open_dcp(folder: str | os.PathLike[str]) -> DcpSource:
     src = DcpSource(Path(folder), {})
     try:
         meta = read_metadata(src.folder)
+        pickles: dict[bytes, Any] = {}  # chunks of one shape share a data.pkl: unpickled once
         for fqn, entry in meta.entries.items():
-            value = _tensor(src, entry) if isinstance(entry, TensorEntry) else _value(src, entry)
+            value = _tensor(src, entry, pickles) if isinstance(entry, TensorEntry) else _value(src, entry)
             _set_element(src.obj, meta.paths.get(fqn, (fqn,)), value)
         return src
     except BaseException:
@@ -126,7 +128,7 @@ def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceRead
     f = _file(src, stored.file)
     if stored.offset + stored.length > os.fstat(f.fileno()).st_size:
         raise CheckpointFormatError(f"{src.folder}/{stored.file}: {what} runs past the end of the file (truncated?)")
-    view = SliceReader(f, stored.offset, stored.length)
+    view = SliceReader(f, stored.offset, stored.length, window=_WINDOW)
     if view.read(4) != b"PK\x03\x04":
         raise NeedsTorch(f"{what} is not stored as torch.save's zip")
     try:
@@ -135,26 +137,33 @@ def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceRead
         raise CheckpointFormatError(f"{what}: {e}") from e
 
 
-def _pickled(z: TorchZip, what: str) -> Any:
+def _pickled(z: TorchZip, what: str, cache: dict[bytes, Any] | None = None) -> Any:
+    """The unpickled data.pkl; with ``cache``, bytes seen before give the same (read-only) object."""
     rec = z.by_name[f"{z.prefix}data.pkl"]
     if rec.size > _MAX_VALUE:
         raise NeedsTorch(f"{what} is a {rec.size}-byte pickle")
+    data = z.read(rec.name)
+    if cache is not None and data in cache:
+        return cache[data]
     try:
-        return lp.loads(z.read(rec.name))
+        value = lp.loads(data)
     except lp.UnsupportedGlobal as e:
         raise NeedsTorch(f"{what} needs global {e.name}") from e
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
+    if cache is not None:
+        cache[data] = value
+    return value
 
 
-def _tensor(src: DcpSource, e: TensorEntry) -> DcpTensor:
+def _tensor(src: DcpSource, e: TensorEntry, pickles: dict[bytes, Any]) -> DcpTensor:
     if e.dtype not in BY_NAME:
         raise NeedsTorch(f"tensor {e.fqn} has dtype {e.dtype}")
     pieces = []
     for c in _in_order(src, e):
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
         z, view = _zip(src, c.stored, f"tensor {e.fqn}: {what}")
-        t = lp.tensor_of(_pickled(z, f"tensor {e.fqn}'s {what}"))
+        t = lp.tensor_of(_pickled(z, f"tensor {e.fqn}'s {what}", pickles))
         if t is None:
             raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what} holds no tensor")
         if t.dtype != e.dtype or t.shape != c.sizes:
