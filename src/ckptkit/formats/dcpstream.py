@@ -102,9 +102,9 @@ def open_dcp(folder: str | os.PathLike[str]) -> DcpSource:
     src = DcpSource(Path(folder), {})
     try:
         meta = read_metadata(src.folder)
-        pickles: dict[bytes, Any] = {}  # chunks of one shape share a data.pkl: unpickled once
+        seen: _Seen = {}
         for fqn, entry in meta.entries.items():
-            value = _tensor(src, entry, pickles) if isinstance(entry, TensorEntry) else _value(src, entry)
+            value = _tensor(src, entry, seen) if isinstance(entry, TensorEntry) else _value(src, entry)
             _set_element(src.obj, meta.paths.get(fqn, (fqn,)), value)
         return src
     except BaseException:
@@ -137,46 +137,67 @@ def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceRead
         raise CheckpointFormatError(f"{what}: {e}") from e
 
 
-def _pickled(z: TorchZip, what: str, cache: dict[bytes, Any] | None = None) -> Any:
-    """The unpickled data.pkl; with ``cache``, bytes seen before give the same (read-only) object."""
+def _pickled(z: TorchZip, what: str) -> Any:
+    return _unpickled(z, _pickle_bytes(z, what), what)
+
+
+def _pickle_bytes(z: TorchZip, what: str) -> bytes:
+    """The zip's data.pkl, CRC-checked."""
     rec = z.by_name[f"{z.prefix}data.pkl"]
     if rec.size > _MAX_VALUE:
         raise NeedsTorch(f"{what} is a {rec.size}-byte pickle")
-    data = z.read(rec.name)
-    if cache is not None and data in cache:
-        return cache[data]
+    return z.read(rec.name)
+
+
+def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
     try:
-        value = lp.loads(data)
+        return lp.loads(data)
     except lp.UnsupportedGlobal as e:
         raise NeedsTorch(f"{what} needs global {e.name}") from e
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
-    if cache is not None:
-        cache[data] = value
-    return value
 
 
-def _tensor(src: DcpSource, e: TensorEntry, pickles: dict[bytes, Any]) -> DcpTensor:
+_Seen = dict[tuple[bytes, str, tuple[int, ...], str], lp.TensorRef]
+
+
+def _tensor(src: DcpSource, e: TensorEntry, seen: _Seen) -> DcpTensor:
     if e.dtype not in BY_NAME:
         raise NeedsTorch(f"tensor {e.fqn} has dtype {e.dtype}")
     pieces = []
     for c in _in_order(src, e):
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
         z, view = _zip(src, c.stored, f"tensor {e.fqn}: {what}")
-        t = lp.tensor_of(_pickled(z, f"tensor {e.fqn}'s {what}", pickles))
-        if t is None:
-            raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what} holds no tensor")
-        if t.dtype != e.dtype or t.shape != c.sizes:
-            raise CheckpointFormatError(
-                f"{src.folder}: tensor {e.fqn}'s {what} is {t.dtype}{list(t.shape)}; .metadata says {e.dtype}{list(c.sizes)}"
-            )
-        if z.byteorder != "little" or not t.is_contiguous():
-            raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'big-endian' if z.byteorder != 'little' else 'not contiguous'}")
+        t = _chunk_tensor(src, z, e, c, what, seen)
         rec = z.storage(t.storage.key)
         if rec.method != 0 or t.byte_range() != (0, rec.size):
             raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}")
         pieces.append(Piece(c.stored.file, view.start + rec.data_offset, rec.size, rec.crc, what))
     return DcpTensor(e.fqn, e.dtype, e.shape, tuple(pieces))
+
+
+def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: str, seen: _Seen) -> lp.TensorRef:
+    """Chunk ``c``'s tensor (read-only), its dtype, shape, layout and byte order checked against ``.metadata``.
+
+    The outcome depends only on the data.pkl bytes, what the metadata says and the byte order,
+    and chunks of one shape share all three: each such combination is unpickled and checked
+    once per :func:`open_dcp` (``seen``), every chunk's data.pkl still read and CRC-checked.
+    """
+    data = _pickle_bytes(z, f"tensor {e.fqn}'s {what}")
+    known = seen.get((data, e.dtype, c.sizes, z.byteorder))
+    if known is not None:
+        return known
+    t = lp.tensor_of(_unpickled(z, data, f"tensor {e.fqn}'s {what}"))
+    if t is None:
+        raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what} holds no tensor")
+    if t.dtype != e.dtype or t.shape != c.sizes:
+        raise CheckpointFormatError(
+            f"{src.folder}: tensor {e.fqn}'s {what} is {t.dtype}{list(t.shape)}; .metadata says {e.dtype}{list(c.sizes)}"
+        )
+    if z.byteorder != "little" or not t.is_contiguous():
+        raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'big-endian' if z.byteorder != 'little' else 'not contiguous'}")
+    seen[(data, e.dtype, c.sizes, z.byteorder)] = t
+    return t
 
 
 def _in_order(src: DcpSource, e: TensorEntry) -> list[Chunk]:
