@@ -142,11 +142,14 @@ def _pickled(z: TorchZip, what: str) -> Any:
 
 
 def _pickle_bytes(z: TorchZip, what: str) -> bytes:
-    """The zip's data.pkl, CRC-checked."""
+    """The zip's data.pkl, CRC-checked; a damaged one is reported with ``what`` it holds."""
     rec = z.by_name[f"{z.prefix}data.pkl"]
     if rec.size > _MAX_VALUE:
         raise NeedsTorch(f"{what} is a {rec.size}-byte pickle")
-    return z.read(rec.name)
+    try:
+        return z.read(rec.name)
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(f"{what}: {e}") from e
 
 
 def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:

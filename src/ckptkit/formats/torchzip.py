@@ -192,25 +192,24 @@ class SliceReader:
             self._tail = b"" if whole else os.pread(f.fileno(), window, start + length - window)
             if len(self._head) + len(self._tail) != min(length, 2 * window):  # the file shrank: read as it is now
                 self._head = self._tail = b""
+        self._tail_at = length - len(self._tail) if self._tail else length  # past the end, reads are empty anyway
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._pos, self.length)[whence]
-        self._pos = max(0, base + offset)
+        self._pos = max(0, offset + (0 if whence == 0 else self._pos if whence == 1 else self.length))
         return self._pos
 
     def tell(self) -> int:
         return self._pos
 
     def read(self, n: int | None = -1) -> bytes:
-        pos, left = self._pos, max(0, self.length - self._pos)
-        n = left if n is None or n < 0 else min(n, left)
-        tail_at = self.length - len(self._tail)
-        if pos + n <= len(self._head):
-            data = self._head[pos : pos + n]
-        elif self._tail and pos >= tail_at:
-            data = self._tail[pos - tail_at : pos - tail_at + n]
+        pos = self._pos
+        end = self.length if n is None or n < 0 else min(pos + n, self.length)
+        if end <= len(self._head):
+            data = self._head[pos:end]
+        elif pos >= self._tail_at:
+            data = self._tail[pos - self._tail_at : end - self._tail_at]
         else:
-            data = os.pread(self._f.fileno(), n, self.start + pos) if n else b""
+            data = os.pread(self._f.fileno(), end - pos, self.start + pos)
         self._pos += len(data)
         return data
 
