@@ -177,8 +177,9 @@ def _pt(tmp_path: Path, comment: bytes) -> Path:
 
 @pytest.mark.parametrize(
     "comment",
-    [b"", b"a note", b"x" * 30 + b"PK\x05\x06" + b"y" * 10, b"tail ends with PK\x05\x06", b"PK\x05\x06" * 20],
-    ids=["none", "plain", "signature-in-comment", "signature-at-end", "many-signatures"],
+    [b"", b"a note", b"x" * 30 + b"PK\x05\x06" + b"y" * 10, b"tail ends with PK\x05\x06", b"PK\x05\x06" * 20 + b"zz",
+     b"PK\x05\x06" + b"q" * 14 + b"PK\x05\x06"],
+    ids=["none", "plain", "signature-in-comment", "signature-at-end", "many-signatures", "signature-at-both-ends"],
 )
 def test_end_record_is_the_last_signature_in_the_last_64_kib(tmp_path: Path, comment: bytes) -> None:
     path = _pt(tmp_path, comment)

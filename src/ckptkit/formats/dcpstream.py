@@ -34,6 +34,7 @@ from .torchzip import SliceReader, TorchZip, ZipWriter
 
 _MAX_VALUE = 64 << 20  # a non-tensor value's pickle read into memory; larger ones go through torch
 _WINDOW = 4096  # bytes read up front at each end of a chunk's zip: its headers, small records and directory
+_Seen = dict[tuple[bytes, str, tuple[int, ...], str], lp.TensorRef]  # checked chunk layouts: see _chunk_tensor
 
 
 @dataclass(frozen=True)
@@ -137,19 +138,15 @@ def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceRead
         raise CheckpointFormatError(f"{what}: {e}") from e
 
 
-def _pickled(z: TorchZip, what: str) -> Any:
-    return _unpickled(z, _pickle_bytes(z, what), what)
-
-
 def _pickle_bytes(z: TorchZip, what: str) -> bytes:
-    """The zip's data.pkl, CRC-checked; a damaged one is reported with ``what`` it holds."""
+    """The zip's data.pkl, CRC-checked."""
     rec = z.by_name[f"{z.prefix}data.pkl"]
     if rec.size > _MAX_VALUE:
         raise NeedsTorch(f"{what} is a {rec.size}-byte pickle")
     try:
         return z.read(rec.name)
     except CheckpointFormatError as e:
-        raise CheckpointFormatError(f"{what}: {e}") from e
+        raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
 
 
 def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
@@ -159,9 +156,6 @@ def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
         raise NeedsTorch(f"{what} needs global {e.name}") from e
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
-
-
-_Seen = dict[tuple[bytes, str, tuple[int, ...], str], lp.TensorRef]
 
 
 def _tensor(src: DcpSource, e: TensorEntry, seen: _Seen) -> DcpTensor:
@@ -180,12 +174,10 @@ def _tensor(src: DcpSource, e: TensorEntry, seen: _Seen) -> DcpTensor:
 
 
 def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: str, seen: _Seen) -> lp.TensorRef:
-    """Chunk ``c``'s tensor (read-only), its dtype, shape, layout and byte order checked against ``.metadata``.
-
-    The outcome depends only on the data.pkl bytes, what the metadata says and the byte order,
-    and chunks of one shape share all three: each such combination is unpickled and checked
-    once per :func:`open_dcp` (``seen``), every chunk's data.pkl still read and CRC-checked.
-    """
+    """Chunk ``c``'s tensor (read-only), its dtype, shape, layout and byte order checked against
+    ``.metadata``. That depends only on the data.pkl bytes, the metadata's dtype and sizes and the
+    byte order, which chunks of one shape share: each such case is unpickled and checked once per
+    :func:`open_dcp` (``seen``); every chunk's data.pkl is still read and CRC-checked."""
     data = _pickle_bytes(z, f"tensor {e.fqn}'s {what}")
     known = seen.get((data, e.dtype, c.sizes, z.byteorder))
     if known is not None:
@@ -239,7 +231,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _value(src: DcpSource, e: BytesEntry) -> Any:
     what = f"value {e.fqn}"
-    value = _pickled(_zip(src, e.stored, what)[0], what)
+    z = _zip(src, e.stored, what)[0]
+    value = _unpickled(z, _pickle_bytes(z, what), what)
     if _holds_tensor(value):
         raise NeedsTorch(f"{what} holds tensors")
     return value
