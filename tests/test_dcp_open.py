@@ -7,6 +7,7 @@ a chunk's headers and its central directory fall in different windows.
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 import struct
@@ -45,10 +46,10 @@ def _save(tmp_path: Path) -> Path:
 def _chunk_zip(folder: Path, fqn: str) -> tuple[Path, int, zipfile.ZipFile, TorchZip]:
     """The ``.distcp`` file holding ``fqn``'s one chunk, the chunk's offset, and its zip read two ways."""
     stored = read_metadata(folder).entries[fqn].chunks[0].stored  # type: ignore[union-attr]
-    f = open(folder / stored.file, "rb")  # noqa: SIM115 - closed by the test's tmp_path going away
-    return folder / stored.file, stored.offset, zipfile.ZipFile(SliceReader(f, stored.offset, stored.length)), TorchZip(  # type: ignore[arg-type]
-        "chunk", file=SliceReader(f, stored.offset, stored.length)  # type: ignore[arg-type]
-    )
+    with open(folder / stored.file, "rb") as f:
+        f.seek(stored.offset)
+        chunk = f.read(stored.length)
+    return folder / stored.file, stored.offset, zipfile.ZipFile(io.BytesIO(chunk)), TorchZip("chunk", file=io.BytesIO(chunk))
 
 
 def _patch(path: Path, at: int, data: bytes) -> None:
