@@ -33,6 +33,8 @@ from .safetensors import write_with_crcs
 from .torchzip import SliceReader, TorchZip, ZipWriter
 
 _MAX_VALUE = 64 << 20  # a non-tensor value's pickle read into memory; larger ones go through torch
+_WINDOW = 4096  # bytes read up front at each end of a chunk's zip: its headers, small records and directory
+_Seen = dict[tuple[bytes, str, tuple[int, ...], str], lp.TensorRef]  # checked chunk layouts: see _chunk_tensor
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,9 @@ def open_dcp(folder: str | os.PathLike[str]) -> DcpSource:
     src = DcpSource(Path(folder), {})
     try:
         meta = read_metadata(src.folder)
+        seen: _Seen = {}
         for fqn, entry in meta.entries.items():
-            value = _tensor(src, entry) if isinstance(entry, TensorEntry) else _value(src, entry)
+            value = _tensor(src, entry, seen) if isinstance(entry, TensorEntry) else _value(src, entry)
             _set_element(src.obj, meta.paths.get(fqn, (fqn,)), value)
         return src
     except BaseException:
@@ -144,7 +147,7 @@ def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceRead
     f = _file(src, stored.file)
     if stored.offset + stored.length > os.fstat(f.fileno()).st_size:
         raise CheckpointFormatError(f"{src.folder}/{stored.file}: {what} runs past the end of the file (truncated?)")
-    view = SliceReader(f, stored.offset, stored.length)
+    view = SliceReader(f, stored.offset, stored.length, window=_WINDOW)
     if view.read(4) != b"PK\x03\x04":
         raise NeedsTorch(f"{what} is not stored as torch.save's zip")
     try:
@@ -153,39 +156,61 @@ def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceRead
         raise CheckpointFormatError(f"{what}: {e}") from e
 
 
-def _pickled(z: TorchZip, what: str) -> Any:
+def _pickle_bytes(z: TorchZip, what: str) -> bytes:
+    """The zip's data.pkl, CRC-checked."""
     rec = z.by_name[f"{z.prefix}data.pkl"]
     if rec.size > _MAX_VALUE:
         raise NeedsTorch(f"{what} is a {rec.size}-byte pickle")
     try:
-        return lp.loads(z.read(rec.name))
+        return z.read(rec.name)
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
+
+
+def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
+    try:
+        return lp.loads(data)
     except lp.UnsupportedGlobal as e:
         raise NeedsTorch(f"{what} needs global {e.name}") from e
     except CheckpointFormatError as e:
         raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
 
 
-def _tensor(src: DcpSource, e: TensorEntry) -> DcpTensor:
+def _tensor(src: DcpSource, e: TensorEntry, seen: _Seen) -> DcpTensor:
     if e.dtype not in BY_NAME:
         raise NeedsTorch(f"tensor {e.fqn} has dtype {e.dtype}")
     pieces = []
     for c in _in_order(src, e):
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
         z, view = _zip(src, c.stored, f"tensor {e.fqn}: {what}")
-        t = lp.tensor_of(_pickled(z, f"tensor {e.fqn}'s {what}"))
-        if t is None:
-            raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what} holds no tensor")
-        if t.dtype != e.dtype or t.shape != c.sizes:
-            raise CheckpointFormatError(
-                f"{src.folder}: tensor {e.fqn}'s {what} is {t.dtype}{list(t.shape)}; .metadata says {e.dtype}{list(c.sizes)}"
-            )
-        if z.byteorder != "little" or not t.is_contiguous():
-            raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'big-endian' if z.byteorder != 'little' else 'not contiguous'}")
+        t = _chunk_tensor(src, z, e, c, what, seen)
         rec = z.storage(t.storage.key)
         if rec.method != 0 or t.byte_range() != (0, rec.size):
             raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}")
         pieces.append(Piece(c.stored.file, view.start + rec.data_offset, rec.size, rec.crc, what))
     return DcpTensor(e.fqn, e.dtype, e.shape, tuple(pieces))
+
+
+def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: str, seen: _Seen) -> lp.TensorRef:
+    """Chunk ``c``'s tensor (read-only), its dtype, shape, layout and byte order checked against
+    ``.metadata``. That depends only on the data.pkl bytes, the metadata's dtype and sizes and the
+    byte order, which chunks of one shape share: each such case is unpickled and checked once per
+    :func:`open_dcp` (``seen``); every chunk's data.pkl is still read and CRC-checked."""
+    data = _pickle_bytes(z, f"tensor {e.fqn}'s {what}")
+    known = seen.get((data, e.dtype, c.sizes, z.byteorder))
+    if known is not None:
+        return known
+    t = lp.tensor_of(_unpickled(z, data, f"tensor {e.fqn}'s {what}"))
+    if t is None:
+        raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what} holds no tensor")
+    if t.dtype != e.dtype or t.shape != c.sizes:
+        raise CheckpointFormatError(
+            f"{src.folder}: tensor {e.fqn}'s {what} is {t.dtype}{list(t.shape)}; .metadata says {e.dtype}{list(c.sizes)}"
+        )
+    if z.byteorder != "little" or not t.is_contiguous():
+        raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'big-endian' if z.byteorder != 'little' else 'not contiguous'}")
+    seen[(data, e.dtype, c.sizes, z.byteorder)] = t
+    return t
 
 
 def _in_order(src: DcpSource, e: TensorEntry) -> list[Chunk]:
@@ -224,7 +249,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _value(src: DcpSource, e: BytesEntry) -> Any:
     what = f"value {e.fqn}"
-    value = _pickled(_zip(src, e.stored, what)[0], what)
+    z = _zip(src, e.stored, what)[0]
+    value = _unpickled(z, _pickle_bytes(z, what), what)
     if _holds_tensor(value):
         raise NeedsTorch(f"{what} holds tensors")
     return value

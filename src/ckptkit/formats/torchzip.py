@@ -172,24 +172,44 @@ class TorchZip:
 
 class SliceReader:
     """A read-only view of ``length`` bytes of ``f`` from ``start``: a file embedded in another
-    (each tensor chunk of a DCP ``.distcp`` file is a whole torch zip), read as if it were alone."""
+    (each tensor chunk of a DCP ``.distcp`` file is a whole torch zip), read as if it were alone.
 
-    def __init__(self, f: BinaryIO, start: int, length: int) -> None:
+    With ``window``, the first and last ``window`` bytes are read up front, in one or two preads,
+    and reads within them are served from memory: a torch zip's local headers, small records and
+    central directory lie there, so opening one costs two reads, not the ~20 zipfile makes.
+
+    Example:
+        >>> view = SliceReader(open("a.distcp", "rb"), 4096, 1 << 20, window=4096)  # doctest: +SKIP
+    """
+
+    def __init__(self, f: BinaryIO, start: int, length: int, *, window: int = 0) -> None:
         self._f, self.start, self.length = f, start, length
         self._pos = 0
+        self._head = self._tail = b""
+        if window:
+            whole = length <= 2 * window
+            self._head = os.pread(f.fileno(), length if whole else window, start)
+            self._tail = b"" if whole else os.pread(f.fileno(), window, start + length - window)
+            if len(self._head) + len(self._tail) != min(length, 2 * window):  # the file shrank: read as it is now
+                self._head = self._tail = b""
+        self._tail_at = length - len(self._tail) if self._tail else length  # past the end, reads are empty anyway
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._pos, self.length)[whence]
-        self._pos = max(0, base + offset)
+        self._pos = max(0, offset + (0 if whence == 0 else self._pos if whence == 1 else self.length))
         return self._pos
 
     def tell(self) -> int:
         return self._pos
 
     def read(self, n: int | None = -1) -> bytes:
-        left = max(0, self.length - self._pos)
-        n = left if n is None or n < 0 else min(n, left)
-        data = os.pread(self._f.fileno(), n, self.start + self._pos) if n else b""
+        pos = self._pos
+        end = self.length if n is None or n < 0 else min(pos + n, self.length)
+        if end <= len(self._head):
+            data = self._head[pos:end]
+        elif pos >= self._tail_at:
+            data = self._tail[pos - self._tail_at : end - self._tail_at]
+        else:
+            data = os.pread(self._f.fileno(), end - pos, self.start + pos)
         self._pos += len(data)
         return data
 

@@ -18,6 +18,7 @@ LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes
 CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 bytes
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
+_SIG = b"PK\x05\x06"  # starts the end of central directory record
 _DOS_FOLDER = 0x10  # external attribute: miniz then treats the record as a folder, not a file
 _UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000  # encrypted, patch data, strong encryption, masked
 
@@ -47,9 +48,7 @@ def check_like_torch(path: Path, f: BinaryIO, size: int, infos: list[zipfile.Zip
         )  # fmt: skip
         if why:
             raise CheckpointFormatError(f"{path}: zip record {i.filename} {why}; the file is damaged")
-    f.seek(max(0, size - (_EOCD.size + 0xFFFF)))
-    tail = f.read()
-    at = tail.rfind(b"PK\x05\x06")
+    tail, at = _end_record(f, size)
     _, disk, cd_disk, here, total, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
     locator = tail[at - 20 : at] if at >= 20 else b""
     if locator[:4] == b"PK\x06\x07":
@@ -76,3 +75,20 @@ def check_like_torch(path: Path, f: BinaryIO, size: int, infos: list[zipfile.Zip
         pos += CENTRAL.size + sum(struct.unpack_from("<HHH", directory, pos + 28))
         if pos > len(directory):
             raise CheckpointFormatError(f"{path}: a zip central directory header runs past the directory's end")
+
+
+def _end_record(f: BinaryIO, size: int) -> tuple[bytes, int]:
+    """The bytes that end the zip and where the last end-record signature in them starts.
+
+    A zip without a comment ends in its end record: when the last 22 bytes start with the
+    signature and hold no later one, that is also the last signature in the 64 KiB a comment
+    may take, so only those bytes and the 20 of a zip64 locator before them are read.
+    """
+    f.seek(max(0, size - (_EOCD.size + 20)))
+    tail = f.read()
+    at = len(tail) - _EOCD.size
+    if at >= 0 and tail[at : at + 4] == _SIG and _SIG not in tail[at + 1 :]:
+        return tail, at
+    f.seek(max(0, size - (_EOCD.size + 0xFFFF)))
+    tail = f.read()
+    return tail, tail.rfind(_SIG)

@@ -1,0 +1,201 @@
+"""Opening a DCP folder torch-free (``open_dcp``): each chunk zip read through two windows, each
+distinct chunk layout unpickled once, and nothing checked less than before.
+
+The folders are written by ``torch.distributed.checkpoint`` itself; chunks are 16 KiB, so that
+a chunk's headers and its central directory fall in different windows.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptkit.errors import CheckpointFormatError
+from ckptkit.formats.dcpmeta import read_metadata
+from ckptkit.formats.dcpstream import DcpTensor, open_dcp
+from ckptkit.formats.fileio import crc32
+from ckptkit.formats.torchzip import SliceReader, TorchZip
+from ckptkit.formats.zipcheck import _end_record
+
+WHERE = "chunk at [0, 0] in __0_0.distcp"
+WHERE_RE = re.escape(WHERE)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    # "a" and "b": one shape and dtype, so their chunks hold the same data.pkl bytes
+    return {"a": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64), "b": torch.full((64, 64), 2.5), "c": torch.ones(3)}
+
+
+def _save(tmp_path: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "ckpt.dcp"
+    dcp.save(_state(), checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+def _chunk_zip(folder: Path, fqn: str) -> tuple[Path, int, zipfile.ZipFile, TorchZip]:
+    """The ``.distcp`` file holding ``fqn``'s one chunk, the chunk's offset, and its zip read two ways."""
+    stored = read_metadata(folder).entries[fqn].chunks[0].stored  # type: ignore[union-attr]
+    with open(folder / stored.file, "rb") as f:
+        f.seek(stored.offset)
+        chunk = f.read(stored.length)
+    return folder / stored.file, stored.offset, zipfile.ZipFile(io.BytesIO(chunk)), TorchZip("chunk", file=io.BytesIO(chunk))
+
+
+def _patch(path: Path, at: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def test_chunks_of_one_layout_give_each_their_own_pieces(tmp_path: Path) -> None:
+    folder = _save(tmp_path)
+    src = open_dcp(folder)
+    try:
+        pieces = {k: v.pieces for k, v in src.obj.items() if isinstance(v, DcpTensor)}
+        crcs = {k: crc32(v.numpy().tobytes()) for k, v in _state().items()}
+    finally:
+        src.close()
+    assert {k: [(p.length, p.crc) for p in v] for k, v in pieces.items()} == {
+        "a": [(16384, crcs["a"])], "b": [(16384, crcs["b"])], "c": [(12, crcs["c"])]
+    }  # fmt: skip
+    assert len({p[0].offset for p in pieces.values()}) == 3
+
+
+def test_damaged_central_directory_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    folder = _save(tmp_path)
+    path, offset, zf, _ = _chunk_zip(folder, "b")
+    _patch(path, offset + zf.start_dir + 3, b"\x09")  # the first directory header's signature: PK\x01\x09
+    with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*damaged zip archive"):
+        open_dcp(folder)
+    out = tmp_path / "out.pt"
+    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and f"tensor b: {WHERE}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def _replace_data_pkl(folder: Path, fqn: str, payload: bytes) -> None:
+    """Put ``payload`` (as long as the old data.pkl) in ``fqn``'s chunk, its CRC-32 set to match in
+    the local and the central header, as a writer of such a pickle would."""
+    path, offset, zf, z = _chunk_zip(folder, fqn)
+    info = zf.getinfo(f"{z.prefix}data.pkl")
+    assert len(payload) == info.file_size and zf.infolist()[0] == info  # torch writes data.pkl first
+    _patch(path, offset + z.by_name[info.filename].data_offset, payload)
+    crc = struct.pack("<I", crc32(payload))
+    _patch(path, offset + info.header_offset + 14, crc)  # local header: CRC-32 at byte 14
+    _patch(path, offset + zf.start_dir + 16, crc)  # the first central header: CRC-32 at byte 16
+
+
+def test_protocol_5_buffer_in_a_chunk_pickle_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    folder = _save(tmp_path)
+    _, _, zf, z = _chunk_zip(folder, "b")
+    size = zf.getinfo(f"{z.prefix}data.pkl").file_size
+    # BYTEARRAY8 claiming 1 TiB: refused before anything is allocated
+    _replace_data_pkl(folder, "b", (b"\x80\x05\x96" + (1 << 40).to_bytes(8, "little")).ljust(size, b"."))
+    with pytest.raises(CheckpointFormatError, match=rf"tensor b's {WHERE_RE}: .*protocol-5 buffer opcodes"):
+        open_dcp(folder)
+
+
+def test_damaged_data_pkl_of_a_repeated_layout_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    folder = _save(tmp_path)
+    path, offset, _, z = _chunk_zip(folder, "b")
+    at = offset + z.by_name[f"{z.prefix}data.pkl"].data_offset + 20
+    with open(path, "rb") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+    _patch(path, at, bytes([byte ^ 0x01]))
+    with pytest.raises(CheckpointFormatError, match=rf"tensor b's {WHERE_RE}: .*data\.pkl fails its CRC-32 check"):
+        open_dcp(folder)
+
+
+def _edit_b(folder: Path, what: str) -> None:
+    with open(folder / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # written by this test's dcp.save: DCP's classes only
+    md = meta.state_dict_metadata["b"]
+    if what == "dtype":
+        md.properties.dtype = torch.float16
+    else:
+        md.size = md.chunks[0].sizes = torch.Size([32, 128])
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+@pytest.mark.parametrize(("what", "says"), [("dtype", r"float16\[64, 64\]"), ("size", r"float32\[32, 128\]")])
+def test_a_chunk_whose_data_pkl_was_seen_is_still_checked_against_the_metadata(tmp_path: Path, what: str, says: str) -> None:
+    folder = _save(tmp_path)
+    _edit_b(folder, what)  # "a" (first, same data.pkl bytes) still agrees with the metadata; "b" no longer does
+    with pytest.raises(CheckpointFormatError, match=rf"tensor b's {WHERE_RE} is float32\[64, 64\]; \.metadata says {says}"):
+        open_dcp(folder)
+
+
+_READS = [(0, 4), (0, 120), (10, 30), (40, 60), (90, 30), (110, 50), (119, 1), (120, 5), (130, 5), (5, -1), (60, 0)]
+
+
+@pytest.mark.parametrize("window", [0, 1, 7, 16, 50, 64])
+def test_windowed_slice_reads_what_the_file_holds(tmp_path: Path, window: int) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * 4)
+    expected = path.read_bytes()[100:220]
+    with open(path, "rb") as f:
+        view = SliceReader(f, 100, 120, window=window)  # windows of 16 and 50: head, a gap, tail; 64: all of it
+        for at, n in _READS:
+            view.seek(at)
+            data = expected[at : at + n] if n >= 0 else expected[at:]
+            assert (view.read(n), view.tell()) == (data, at + len(data)), (at, n)
+        view.seek(-22, 2)
+        assert view.read() == expected[-22:]
+
+
+def test_windows_of_a_file_shorter_than_the_slice_are_not_used(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(90)))
+    with open(path, "rb") as f:
+        view = SliceReader(f, 0, 100, window=16)  # the tail window would be 6 bytes, 10 short
+        view.seek(94)
+        assert view.read(6) == b""  # not bytes 84..89 placed as if they ended the slice
+        view.seek(80)
+        assert view.read() == bytes(range(80, 90))
+
+
+def _pt(tmp_path: Path, comment: bytes) -> Path:
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.arange(6.0)}, path)
+    with zipfile.ZipFile(path, "a") as zf:  # zipfile writes the comment (and its length) into the end record
+        zf.comment = comment
+    return path
+
+
+@pytest.mark.parametrize(
+    "comment",
+    [b"", b"a note", b"x" * 30 + b"PK\x05\x06" + b"y" * 10, b"tail ends with PK\x05\x06", b"PK\x05\x06" * 20 + b"zz",
+     b"PK\x05\x06" + b"q" * 14 + b"PK\x05\x06"],
+    ids=["none", "plain", "signature-in-comment", "signature-at-end", "many-signatures", "signature-at-both-ends"],
+)
+def test_end_record_is_the_last_signature_in_the_last_64_kib(tmp_path: Path, comment: bytes) -> None:
+    path = _pt(tmp_path, comment)
+    data = path.read_bytes()
+    with open(path, "rb") as f:
+        tail, at = _end_record(f, len(data))
+    reference = data[max(0, len(data) - (22 + 0xFFFF)) :]  # what check_like_torch read and searched before
+    assert tail[at : at + 22] == reference[reference.rfind(b"PK\x05\x06") :][:22]
+    assert tail[max(0, at - 20) : at] == reference[max(0, reference.rfind(b"PK\x05\x06") - 20) : reference.rfind(b"PK\x05\x06")]
+
+
+def test_end_record_checks_still_refuse_a_multi_disk_zip(tmp_path: Path) -> None:
+    path = _pt(tmp_path, b"")
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, len(data) - 22 + 8, struct.unpack_from("<H", data, len(data) - 22 + 8)[0] - 1)  # entries on this disk
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match="multi-disk archive"):
+        TorchZip(path)
