@@ -22,6 +22,7 @@ from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
 from ._write import format_for, write_to
 from .errors import ArgumentError, spell, summarize
+from .formats import dcpcopy
 from .formats import dcpstream as dcps
 from .formats import modulepickle as mp
 from .formats import rewrite as fp
@@ -264,9 +265,9 @@ def _is_leaf(src: Any) -> Callable[[Any], bool]:
 
 def _fast_write(f: Any, src: Any, obj: Any, state: Any, in_fmt: str, out_fmt: str, progress: Any) -> None:
     if in_fmt == DCP and out_fmt == SAFETENSORS:  # tensors as pieces of .distcp files, copied in order
-        dcps.write_safetensors(f, src, state, progress)
+        dcpcopy.write_safetensors(f, src, state, progress)
     elif in_fmt == DCP:
-        dcps.write_torch_zip(f, src, obj, progress)
+        dcpcopy.write_torch_zip(f, src, obj, progress)
     elif out_fmt == SAFETENSORS:
         if in_fmt == SAFETENSORS:
             fp.rename_safetensors(f, src, state, progress)

@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, summarize
+from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from . import torchpickle as lp
 from .crcmath import crc32_combine
 from .dcpmeta import BytesEntry, Chunk, Stored, TensorEntry, read_metadata
 from .dtypes import BY_NAME
 from .fileio import Progress, copy_range, crc_of_range
 from .integrity import Check, Damage
-from .rewrite import NeedsTorch, new_tensor
-from .safetensors import write_with_crcs
-from .torchzip import SliceReader, TorchZip, ZipWriter
+from .rewrite import NeedsTorch
+from .torchzip import SliceReader, TorchZip
 
 _MAX_VALUE = 64 << 20  # a non-tensor value's pickle read into memory; larger ones go through torch
 _WINDOW = 4096  # bytes read up front at each end of a chunk's zip: its headers, small records and directory
@@ -286,53 +285,3 @@ def _set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) 
         node[path[-1]] = value
     except PARSE_ERRORS as e:
         raise NeedsTorch(f"planner_data path {list(path)} does not nest") from e
-
-
-def write_torch_zip(f: BinaryIO, src: DcpSource, obj: Any, progress: Progress | None) -> int:
-    """Write ``obj`` (containers with :class:`DcpTensor` leaves) as a torch zip checkpoint."""
-    order: list[DcpTensor] = []
-
-    def convert(node: Any) -> Any:
-        if isinstance(node, DcpTensor):
-            order.append(node)
-            return new_tensor(str(len(order) - 1), node.dtype, node.shape)
-        if isinstance(node, Mapping):
-            return type(node)((k, convert(v)) for k, v in node.items())  # type: ignore[call-arg]
-        if isinstance(node, list):
-            return [convert(v) for v in node]
-        return node
-
-    w = ZipWriter(f, alignment=64)
-    prefix = w.start_torch_archive(lp.dumps(convert(obj))[0])
-    damage = src.damage()
-    for i, t in enumerate(order):
-        w.add_written(f"{prefix}data/{i}", t.nbytes, lambda t=t: src.copy(t, f, damage, progress))  # type: ignore[misc]
-    damage.raise_if_any()
-    w.finish_torch_archive(prefix)
-    w.close()
-    return sum(t.nbytes for t in order)
-
-
-def write_safetensors(
-    f: BinaryIO, src: DcpSource, state: Mapping[str, Any], progress: Progress | None, *, metadata: Mapping[str, str] | None = None
-) -> int:
-    """Write ``state`` (names -> :class:`DcpTensor`) as safetensors, with ckptkit's CRC-32s and
-    ``metadata`` (default ``{"format": "pt"}``)."""
-    bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not is_leaf(v)]
-    if bad:
-        raise ArgumentError(f"{src.folder}: safetensors holds only tensors; not tensors: {summarize(bad)}")
-    entries = []
-    for name, t in state.items():
-        code = BY_NAME[t.dtype].safetensors
-        if code is None:
-            raise ArgumentError(f"{src.folder}: tensor {name} has dtype {t.dtype}, which safetensors cannot store; use a .pt output")
-        entries.append((name, code, list(t.shape), t.nbytes))
-    damage = src.damage()
-
-    def write_data(crcs: dict[str, int]) -> None:
-        for name, t in state.items():
-            crcs[name] = src.copy(t, f, damage, progress)
-        damage.raise_if_any()
-
-    write_with_crcs(f, entries, dict(metadata or {"format": "pt"}), write_data)
-    return sum(t.nbytes for t in state.values())

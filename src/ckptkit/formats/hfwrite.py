@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import summarize
+from . import dcpcopy
 from . import dcpstream as dcps
 from .atomicdir import atomic_folder, check_folder_destination
 from .detect import HF_INDEXES
@@ -89,7 +90,7 @@ def write_shards(
         entries: list[tuple[str, Any, int, Any, bool]] = [(n, id(t), getattr(t, "nbytes", 0), id(t), True) for n, t in state.items()]
         written = plan(entries, max_shard_size=max_shard_size)
         dcp = src
-        write_folder(dest, written, lambda f, names, meta: dcps.write_safetensors(f, dcp, {n: state[n] for n in names}, progress, metadata=meta))
+        write_folder(dest, written, lambda f, names, meta: dcpcopy.write_safetensors(f, dcp, {n: state[n] for n in names}, progress, metadata=meta))
         return written
     located = {name: locate(src, ref, name) for name, ref in state.items()}
     entries = [(n, b.storage if b.length else None, b.storage_size, b.ident, b.complete) for n, b in located.items()]
