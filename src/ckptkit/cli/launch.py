@@ -64,10 +64,10 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
     Ctrl-C or SIGTERM: every rank stops at the next step and saves; exit 0 (130 if nothing
     could be saved yet). Running the same command again resumes.
     """
-    with signals_deferred():  # Ctrl-C while torch starts up: raised once it has
-        cfg = parse_args(list(trainer_args))  # usage errors: one line, exit 2
-        check_environment(cfg)  # a missing --resume file, an --model that does not import: exit 1
-        import torch.distributed.run  # noqa: F401
+    cfg = parse_args(list(trainer_args))  # usage errors: one line, exit 2, before torch loads
+    with signals_deferred():  # Ctrl-C while torch's C++ starts up: raised once it has (only that:
+        import torch.distributed.run  # noqa: F401  # a user's --model below stays interruptible)
+    check_environment(cfg)  # a missing --resume file, an --model that does not import: exit 1
     launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts),
                 "--shutdown-timeout", str(shutdown_timeout)]  # fmt: skip
     if node_rank is not None:
