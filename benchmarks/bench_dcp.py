@@ -73,6 +73,7 @@ def _save_rank(rank: int, world: int, rdzv: str, folder: str, gib: float) -> Non
             for p in model.parameters():
                 p.to_local().normal_(generator=g)
         dcp.save(model.state_dict(), checkpoint_id=folder)
+        dist.barrier()  # neither rank tears gloo down while the other still uses it (seen: SIGABRT)
     finally:
         dist.destroy_process_group()
 
@@ -99,6 +100,9 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     ap.add_argument("--only-memory", action="store_true", help="only ckptkit's converts of the folder, once (for big --gib)")
     ap.add_argument("--naive", action="store_true", help="also torch's dcp_to_torch_save (whole state dict in memory)")
+    ap.add_argument("--pair", action="store_true",
+                    help="only the folder -> one file and the same weights' one file -> one file, alternated; "
+                         "prints every run's time (this disk's 2-3 s outliers hide a 5%% difference in medians)")  # fmt: skip
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-dcp-"))
     try:
@@ -124,6 +128,8 @@ def main() -> int:
                 ("cp single.pt && sync", ["sh", "-c", f"cp {flat} {flat_copy} && sync {flat_copy}"], flat_copy, pt_in, ""),
                 ("ckptkit convert single.pt out.pt (the same weights)", [*ckptkit, str(flat), str(flat_out)], flat_out, pt_in, "pt"),
             ]  # fmt: skip
+        if args.pair:
+            cases = [c for c in cases if c[0].startswith("ckptkit convert") and "hf/" not in c[0]]
         if args.naive:
             cases.append(("torch dcp_to_torch_save", [sys.executable, "-c", NAIVE, str(src), str(out)], out, dcp_in, "dcp"))
         times: dict[str, list[float]] = {c[0]: [] for c in cases}
@@ -135,6 +141,8 @@ def main() -> int:
                 for p in inputs:  # re-read untimed right before the run: a daemon here evicts idle page cache
                     warm(p)
                 t, m = run(cmd)
+                if args.pair:
+                    print(f"run {len(times[name]) + 1}: {name}: {t:.3f} s", flush=True)
                 times[name].append(t)
                 mems[name] = max(mems[name], m)
         med = {name: statistics.median(ts) for name, ts in times.items()}
