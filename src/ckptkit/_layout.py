@@ -123,8 +123,6 @@ def select_prefix(state_dict: Mapping[str, Any], prefix: str) -> OrderedDict[str
     return strip_prefix(sub, prefix)
 
 
-
-
 def replace_at(obj: Any, path: tuple[str, ...], value: Any) -> Any:
     """Return ``obj`` with the entry at ``path`` replaced by ``value`` (containers copied shallowly)."""
     if not path:

@@ -169,7 +169,6 @@ class TorchZip:
         return rec
 
 
-
 class SliceReader:
     """A read-only view of ``length`` bytes of ``f`` from ``start``: a file embedded in another
     (each tensor chunk of a DCP ``.distcp`` file is a whole torch zip), read as if it were alone.
