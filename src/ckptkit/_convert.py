@@ -28,10 +28,11 @@ from .formats import modulepickle as mp
 from .formats import rewrite as fp
 from .formats.atomic import atomic_write
 from .formats.atomicdir import check_folder_destination
-from .formats.detect import DCP, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format
-from .formats.hfshards import DEFAULT_MAX_SHARD_SIZE, parse_size, read_index, shard_note
+from .formats.detect import DCP, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
+from .formats.hfshards import DEFAULT_MAX_SHARD_SIZE, parse_size, shard_note
 from .formats.hfwrite import check_destination, write_shards
 from .formats.integrity import check_recorded_crcs
+from .formats.source import checkpoint_bytes
 from .formats.torchpickle import UnsupportedGlobal
 from .prefix import rewrite_prefixes
 
@@ -51,7 +52,7 @@ def _source_files(src: Path) -> list[Path]:
 
 def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> Format:
     if format == DCP:  # a folder DCP's writer fills; anything else in it would go with it
-        check_folder_destination(src, dst, force=force, owned=lambda n: n == ".metadata" or n.endswith(".distcp"), what="DCP files")
+        check_folder_destination(src, dst, force=force, owned=is_dcp_file, what="DCP files")
         return DCP
     fmt = format_for(dst, default=None)
     if dst.exists():
@@ -151,8 +152,7 @@ def convert_checkpoint(
     out_fmt = HF if folder else _check_paths(source, dest, force, format)
     in_fmt = detect_format(source)
     job = _Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
-    total = (read_index(source).total_bytes() if in_fmt == HF else source.stat().st_size if source.is_file()
-             else sum(p.stat().st_size for p in source.glob("*.distcp")))  # fmt: skip
+    total = checkpoint_bytes(source, in_fmt)
     report_progress = (lambda n: progress(n, total)) if progress else None
     reason = "trusted file: loaded with torch" if trust else "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
     if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP):

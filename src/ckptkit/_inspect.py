@@ -26,8 +26,9 @@ from .formats import rewrite as fp
 from .formats import torchpickle as tp
 from .formats.detect import DCP, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.dtypes import BY_SAFETENSORS
-from .formats.hfshards import read_index, shard_note
+from .formats.hfshards import shard_note
 from .formats.scan import checkpoint_globals
+from .formats.source import checkpoint_bytes
 from .prefix import detect_prefixes
 
 
@@ -198,8 +199,7 @@ def inspect_checkpoint(
     """
     p = check_exists(path)
     fmt = detect_format(p)
-    size = read_index(p).total_bytes() if fmt == HF else p.stat().st_size if p.is_file() else _folder_size(p)
-    summary = CheckpointSummary(str(p), fmt, size)
+    summary = CheckpointSummary(str(p), fmt, checkpoint_bytes(p, fmt))
     summary.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     loaded = None
     if fmt == DCP and not trust:
@@ -252,10 +252,3 @@ def inspect_checkpoint(
             seen.add(storage)
             summary.tensors.append(t)
     return summary
-
-
-def _folder_size(p: Path) -> int:
-    try:
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-    except OSError as e:
-        raise CheckpointFormatError(f"{p}: cannot read folder ({e})") from e

@@ -32,7 +32,7 @@ from .formats.fileio import Progress
 from .formats.hfshards import read_index, shard_note
 from .formats.integrity import Check, safetensors_checks, zip_checks
 from .formats.scan import checkpoint_globals, pickle_globals
-from .formats.source import NeedsTorch, open_source
+from .formats.source import NeedsTorch, checkpoint_bytes, open_source
 from .formats.torchpickle import UnsupportedGlobal
 from .formats.torchzip import TorchZip
 
@@ -119,7 +119,7 @@ def verify_checkpoint(
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
     check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp, HF: _hf}[report.format]
-    total = read_index(p).total_bytes() if report.format == HF else p.stat().st_size if p.is_file() else 0
+    total = checkpoint_bytes(p, report.format)
     report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
     try:

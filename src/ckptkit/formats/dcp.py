@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .detect import DCP_METADATA
 from .dtypes import BY_NAME
 from .fileio import ClampedReader
 from .scan import pickle_globals
@@ -44,6 +45,6 @@ def unsafe_metadata_globals(path: str | os.PathLike[str]) -> list[str]:
 
 def metadata_globals(path: str | os.PathLike[str]) -> list[str]:
     """The globals a DCP folder's ``.metadata`` pickle names, in first-use order."""
-    meta = Path(path) / ".metadata"
+    meta = Path(path) / DCP_METADATA
     with open(meta, "rb") as f:
         return list(dict.fromkeys(pickle_globals(ClampedReader(f))))  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import CheckpointFormatError
 from . import torchpickle as lp
 from .dcp import is_dcp_class
+from .detect import DCP_METADATA
 from .dtypes import BY_NAME
 from .fileio import ClampedReader
 from .rewrite import NeedsTorch
@@ -128,7 +129,7 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
         NeedsTorch: it holds something this reader does not model (torch's reader may).
         CheckpointFormatError: it is not a well-formed pickle.
     """
-    with open(Path(folder) / ".metadata", "rb") as f:
+    with open(Path(folder) / DCP_METADATA, "rb") as f:
         meta = lp.loads(ClampedReader(f), unpickler=_Unpickler)  # type: ignore[arg-type]
     try:
         return _interpret(meta)

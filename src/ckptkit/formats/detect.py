@@ -24,6 +24,14 @@ DCP: Format = "dcp"
 HF: Format = "hf-sharded"  # Hugging Face shards + index (save_pretrained, huggingface_hub.save_torch_state_dict)
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # in the order a folder is read
 HF_SINGLE = ("model.safetensors", "pytorch_model.bin")  # what they write, without an index, for one shard
+DCP_METADATA = ".metadata"  # a DCP folder: this file, and the .distcp files it points into
+
+
+def is_dcp_file(name: str) -> bool:
+    """True for a file name torch's DCP writer puts in a checkpoint folder."""
+    return name == DCP_METADATA or name.endswith(".distcp")
+
+
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # pickle of 0x1950a86a20f9469cfc6c
 
 
@@ -53,7 +61,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     """
     p = check_exists(path)
     if p.is_dir():
-        if (p / ".metadata").is_file():
+        if (p / DCP_METADATA).is_file():
             return DCP
         if any((p / name).is_file() for name in (*HF_INDEXES, *HF_SINGLE)):
             return HF

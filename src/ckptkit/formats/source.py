@@ -145,3 +145,20 @@ def _open_shards(index: HfIndex) -> Source:
         merged.close()
         raise
     return merged
+
+
+def checkpoint_bytes(path: Path, fmt: str) -> int:
+    """Bytes a checkpoint takes on disk: a file's size, a Hugging Face index's and its shards', or
+    every file of a folder (DCP). What progress is measured against, and what inspect reports.
+
+    Raises:
+        CheckpointFormatError: a folder that cannot be listed.
+    """
+    if fmt == HF:
+        return read_index(path).total_bytes()
+    if path.is_file():
+        return path.stat().st_size
+    try:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read folder ({e})") from e
