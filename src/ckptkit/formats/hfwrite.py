@@ -86,14 +86,14 @@ def write_shards(
 ) -> Written:
     """Write ``state`` (leaves of ``src``: a file's, or a DCP folder's chunked tensors) as a
     sharded folder at ``dest``, torch-free."""
+    entries: list[tuple[str, Any, int, Any, bool]]
     if isinstance(src, dcps.DcpSource):  # each tensor its own storage, copied chunk by chunk
-        entries: list[tuple[str, Any, int, Any, bool]] = [(n, id(t), getattr(t, "nbytes", 0), id(t), True) for n, t in state.items()]
-        written = plan(entries, max_shard_size=max_shard_size)
-        dcp = src
-        write_folder(dest, written, lambda f, names, meta: dcpcopy.write_safetensors(f, dcp, {n: state[n] for n in names}, progress, metadata=meta))
-        return written
-    located = {name: locate(src, ref, name) for name, ref in state.items()}
-    entries = [(n, b.storage if b.length else None, b.storage_size, b.ident, b.complete) for n, b in located.items()]
+        entries = [(n, id(t), getattr(t, "nbytes", 0), id(t), True) for n, t in state.items()]
+        write: Any = dcpcopy.write_safetensors
+    else:
+        located = {name: locate(src, ref, name) for name, ref in state.items()}
+        entries = [(n, b.storage if b.length else None, b.storage_size, b.ident, b.complete) for n, b in located.items()]
+        write = write_safetensors
     written = plan(entries, max_shard_size=max_shard_size)
-    write_folder(dest, written, lambda f, names, meta: write_safetensors(f, src, {n: state[n] for n in names}, progress, metadata=meta))
+    write_folder(dest, written, lambda f, names, meta: write(f, src, {n: state[n] for n in names}, progress, metadata=meta))
     return written
