@@ -21,7 +21,7 @@ import ckptkit
 from ckptkit.errors import CheckpointFormatError
 from ckptkit.formats.atomic import TMP_SUFFIX
 from ckptkit.formats.dcpstream import DcpTensor, open_dcp
-from tests.torchfree import run_torch_free
+from tests.torchfree import limited_memory, run_torch_free
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
@@ -238,11 +238,6 @@ def test_metadata_naming_a_dotted_attribute_of_a_dcp_module_is_refused(tmp_path:
     assert "torch.distributed.checkpoint.metadata.os.system" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
 
 
-def _limited_memory() -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # a reader that allocates for the claim fails, not the machine
-
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "convert", "read"])
 def test_a_planner_data_index_beyond_the_entries_is_refused_before_any_reader_allocates(
@@ -260,7 +255,7 @@ def test_a_planner_data_index_beyond_the_entries_is_refused_before_any_reader_al
     )
     cmd = [sys.executable, "-m", "ckptkit.cli", *args] if args else [
         sys.executable, "-c", f"import ckptkit; ckptkit.read_checkpoint({str(folder)!r})"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=_limited_memory)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=limited_memory)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "planner_data path ['embed.weight', 100000000000000] has list index 100000000000000, beyond the folder's 16 entries" in (
         proc.stdout + proc.stderr

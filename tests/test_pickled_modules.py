@@ -29,7 +29,7 @@ import ckptkit
 from ckptkit.cli import main
 from ckptkit.errors import UnsafeCheckpointError
 from ckptkit.prefix import rewrite_prefixes
-from tests.torchfree import run_torch_free
+from tests.torchfree import limited_memory, run_torch_free
 
 PICKLED = Path(__file__).resolve().parent.parent / "fixtures" / "pickled"
 NAMES = ["plain", "dp", "ddp", "compiled", "dp_of_compiled", "gone"]
@@ -347,11 +347,6 @@ def test_fast_path_never_imports_torch(tmp_path: Path) -> None:
     assert not imported
 
 
-def _limited_memory() -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
-
 
 @pytest.mark.parametrize("command", ["inspect", "convert", "read"])
 def test_a_module_shared_along_2_to_the_40_paths_is_refused_not_walked(tmp_path: Path, command: str) -> None:
@@ -367,7 +362,7 @@ def test_a_module_shared_along_2_to_the_40_paths_is_refused_not_walked(tmp_path:
     args = {"inspect": ["-m", "ckptkit.cli", "inspect", str(tmp_path / "dag.pt")],
             "convert": ["-m", "ckptkit.cli", "convert", str(tmp_path / "dag.pt"), str(tmp_path / "o.pt")],
             "read": ["-c", f"import ckptkit; ckptkit.read_checkpoint({str(tmp_path / 'dag.pt')!r})"]}[command]  # fmt: skip
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, preexec_fn=_limited_memory)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, preexec_fn=limited_memory)
     assert proc.returncode == 1
     assert "its modules would be visited more than 200,000 times (a submodule shared along many paths)" in proc.stderr
     assert not (tmp_path / "o.pt").exists()

@@ -1,4 +1,4 @@
-"""Run ckptkit commands in a fresh interpreter, and tell whether any of them imported torch."""
+"""Run ckptkit in a fresh interpreter: whether it imported torch, and under a memory limit."""
 
 from __future__ import annotations
 
@@ -35,3 +35,11 @@ def run_torch_free(*commands: Sequence[str | Path]) -> tuple[subprocess.Complete
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, argv], capture_output=True, text=True, timeout=180)
     assert "torch imported:" in proc.stderr, proc.stderr
     return proc, "torch imported: True" in proc.stderr
+
+
+def limited_memory() -> None:
+    """``preexec_fn`` for a child that may not take more than 6 GiB of address space: a reader
+    that allocates what a hostile file claims then fails there, not on the machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
