@@ -115,12 +115,22 @@ def warm(path: Path) -> None:
             pass
 
 
+def add_common_args(ap: argparse.ArgumentParser, *, runs: int, only_memory: str) -> None:
+    """The options every convert benchmark takes: size, runs, scratch folder, memory-only."""
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=runs)
+    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
+    ap.add_argument("--only-memory", action="store_true", help=only_memory)
+
+
+def spread(ts: list[float]) -> str:
+    """``min / median / max`` seconds, as every table here shows a command's runs."""
+    return f"{min(ts):.3f} / {statistics.median(ts):.3f} / {max(ts):.3f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
-    ap.add_argument("--only-memory", action="store_true", help="only the ckptkit converts (for big --gib)")
+    add_common_args(ap, runs=5, only_memory="only the ckptkit converts (for big --gib)")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-"))
     try:
@@ -176,7 +186,7 @@ def main() -> int:
             xcp = f"{med[name] / med[tags[base[tag]]]:.2f}" if tag in base and base[tag] in tags else ""
             xsync = f"{med[name] / med[durable[base[tag]]]:.2f}" if tag in base and durable.get(base[tag]) in med else ""
             xnaive = f"{med[name] / med[tags[naive[tag]]]:.2f}" if tag in naive and naive[tag] in tags else ""
-            print(f"| {name} | {min(ts):.3f} / {med[name]:.3f} / {max(ts):.3f} | {xcp} | {xsync} | {xnaive} | {mems[name]} |")
+            print(f"| {name} | {spread(ts)} | {xcp} | {xsync} | {xnaive} | {mems[name]} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_convert import gpt_dims, run, warm  # noqa: E402
+from benchmarks.bench_convert import add_common_args, gpt_dims, run, spread, warm  # noqa: E402
 
 NAIVE = """
 import sys
@@ -95,10 +95,7 @@ def _clear(path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
-    ap.add_argument("--only-memory", action="store_true", help="only ckptkit's converts of the folder, once (for big --gib)")
+    add_common_args(ap, runs=3, only_memory="only ckptkit's converts of the folder, once (for big --gib)")
     ap.add_argument("--naive", action="store_true", help="also torch's dcp_to_torch_save (whole state dict in memory)")
     ap.add_argument("--pair", action="store_true",
                     help="only the folder -> one file and the same weights' one file -> one file, alternated; "
@@ -154,7 +151,7 @@ def main() -> int:
         for name, _, _, _, kind in cases:
             ts = times[name]
             xs = [f"{med[name] / med[b]:.2f}" if kind in base and b in med else "" for b in base.get(kind, ("", ""))]
-            print(f"| {name} | {min(ts):.3f} / {med[name]:.3f} / {max(ts):.3f} | {xs[0]} | {xs[1]} | {mems[name]} |")
+            print(f"| {name} | {spread(ts)} | {xs[0]} | {xs[1]} | {mems[name]} |")
         subprocess.run(["df", "-h", str(scratch)], check=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -20,16 +20,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_convert import make_checkpoint, run, warm  # noqa: E402
+from benchmarks.bench_convert import add_common_args, make_checkpoint, run, spread, warm  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--runs", type=int, default=3)
+    add_common_args(ap, runs=3, only_memory="only the ckptkit convert (for big --gib)")
     ap.add_argument("--max-shard-size", default="200MB", help="shard size for ckptkit (default: 200MB, ~5 shards a GiB)")
-    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
-    ap.add_argument("--only-memory", action="store_true", help="only the ckptkit convert (for big --gib)")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-"))
     try:
@@ -64,7 +61,7 @@ def main() -> int:
         for name, rs in results.items():
             times = [t for t, _ in rs]
             x, xs = (f"{med[name] / cp:.2f}" if cp else ""), (f"{med[name] / cps:.2f}" if cps else "")
-            print(f"| {name} | {min(times):.3f} / {med[name]:.3f} / {max(times):.3f} | {x} | {xs} | {max(m for _, m in rs)} |")
+            print(f"| {name} | {spread(times)} | {x} | {xs} | {max(m for _, m in rs)} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
