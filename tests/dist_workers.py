@@ -127,4 +127,3 @@ def train(rank: int, world: int, out: str, phase: str, total_steps: int, stop_at
         )
     # The next draw from each rank's RNG: equal only if each rank's stream was restored.
     return {"consumed": consumed, "next_draw": torch.rand(3).tolist()}
-

@@ -238,7 +238,6 @@ def test_metadata_naming_a_dotted_attribute_of_a_dcp_module_is_refused(tmp_path:
     assert "torch.distributed.checkpoint.metadata.os.system" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
 
 
-
 @pytest.mark.parametrize("command", ["inspect", "verify", "convert", "read"])
 def test_a_planner_data_index_beyond_the_entries_is_refused_before_any_reader_allocates(
     fixtures_dir: Path, tmp_path: Path, command: str

@@ -347,7 +347,6 @@ def test_fast_path_never_imports_torch(tmp_path: Path) -> None:
     assert not imported
 
 
-
 @pytest.mark.parametrize("command", ["inspect", "convert", "read"])
 def test_a_module_shared_along_2_to_the_40_paths_is_refused_not_walked(tmp_path: Path, command: str) -> None:
     """10 kB of pickle: one Linear reachable as .a and .b at each of 40 levels (state_dict() would

@@ -104,6 +104,7 @@ def kill_convert(trials: int, folder: Path, seed: int, mb: int = 8) -> dict[str,
     dst = folder / "single.safetensors"
     ckptkit.convert_checkpoint(sources[0], dst)
     counts = {"trials": 0, "killed_mid_write": 0, "torn": 0, "unreadable": 0, "max_temps": 0}
+
     def convert_forever() -> None:
         i = 0
         while True:
