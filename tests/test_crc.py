@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.formats import fileio
+from ckptkit.formats import crcmath, fileio
 from ckptkit.formats import torchpickle as lp
 from ckptkit.formats.atomic import TMP_SUFFIX
 from ckptkit.formats.safetensors import read_header
@@ -185,6 +185,18 @@ def test_the_fast_crc_gives_zlibs_values(size: int) -> None:
     assert fileio.crc32(data, 0xDEADBEEF) == zlib.crc32(data, 0xDEADBEEF)  # continuing a running CRC
     half = size // 2
     assert fileio.crc32(data[half:], fileio.crc32(data[:half])) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("combine", ["chosen", "python"])
+def test_crc32_combine_gives_the_crc_of_the_joined_bytes(combine: str) -> None:
+    """The whole-record CRC of a tensor copied piece by piece (DCP chunks), by ISA-L where
+    installed and by the Python fallback, each length's shift computed once and reused."""
+    fn = crcmath.crc32_combine if combine == "chosen" else crcmath.python_crc32_combine
+    rng = random.Random(7)
+    for n, m in [(0, 0), (5, 0), (0, 5), (1, 1), (4096, 3), (70_000, 70_000), (3, (1 << 20) + 5)]:
+        for _ in range(2):  # the second time through, the Python fallback's shift comes from its cache
+            a, b = rng.randbytes(n), rng.randbytes(m)
+            assert fn(zlib.crc32(a), zlib.crc32(b), m) == zlib.crc32(a + b), (n, m)
 
 
 def test_the_fast_crc_library_is_used_where_installed() -> None:
