@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptkit import read_checkpoint
 from ckptkit.errors import CheckpointFormatError
 from ckptkit.formats.dcpmeta import read_metadata
 from ckptkit.formats.dcpstream import DcpTensor, open_dcp
+from ckptkit.formats import torchpickle
 from ckptkit.formats.fileio import crc32
 from ckptkit.formats.torchzip import SliceReader, TorchZip
 from ckptkit.formats.zipcheck import _end_record
@@ -76,7 +78,7 @@ def test_damaged_central_directory_is_refused_naming_the_tensor(tmp_path: Path) 
     folder = _save(tmp_path)
     path, offset, zf, _ = _chunk_zip(folder, "b")
     _patch(path, offset + zf.start_dir + 3, b"\x09")  # the first directory header's signature: PK\x01\x09
-    with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*damaged zip archive"):
+    with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
         open_dcp(folder)
     out = tmp_path / "out.pt"
     proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)],
@@ -182,14 +184,26 @@ def _pt(tmp_path: Path, comment: bytes) -> Path:
      b"PK\x05\x06" + b"q" * 14 + b"PK\x05\x06"],
     ids=["none", "plain", "signature-in-comment", "signature-at-end", "many-signatures", "signature-at-both-ends"],
 )
-def test_end_record_is_the_last_signature_in_the_last_64_kib(tmp_path: Path, comment: bytes) -> None:
+def test_end_record_is_the_last_signature_with_a_whole_record_after_it(tmp_path: Path, comment: bytes) -> None:
+    """As miniz finds it: a signature in the comment's last 21 bytes is no end record. zipfile took
+    the last signature of all, and so called files torch reads damaged ("signature-in-comment")."""
     path = _pt(tmp_path, comment)
     data = path.read_bytes()
     with open(path, "rb") as f:
         tail, at = _end_record(f, len(data))
-    reference = data[max(0, len(data) - (22 + 0xFFFF)) :]  # what check_like_torch read and searched before
-    assert tail[at : at + 22] == reference[reference.rfind(b"PK\x05\x06") :][:22]
-    assert tail[max(0, at - 20) : at] == reference[max(0, reference.rfind(b"PK\x05\x06") - 20) : reference.rfind(b"PK\x05\x06")]
+    reference = data[max(0, len(data) - (22 + 0xFFFF)) :]
+    found = reference.rfind(b"PK\x05\x06", 0, len(reference) - 18)
+    assert tail[at : at + 22] == reference[found : found + 22]
+    assert tail[max(0, at - 20) : at] == reference[max(0, found - 20) : found]
+    try:
+        expected = torch.load(path, weights_only=True)["w"]
+    except RuntimeError:  # the comment's signatures stand for a multi-disk end record: torch refuses it
+        expected = None
+    if expected is None:
+        with pytest.raises(CheckpointFormatError, match="multi-disk archive"):
+            TorchZip(path)
+    else:
+        assert torch.equal(read_checkpoint(path)["w"], expected)
 
 
 def test_end_record_checks_still_refuse_a_multi_disk_zip(tmp_path: Path) -> None:
@@ -199,3 +213,34 @@ def test_end_record_checks_still_refuse_a_multi_disk_zip(tmp_path: Path) -> None
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointFormatError, match="multi-disk archive"):
         TorchZip(path)
+
+
+def _framed(body: bytes, frame: int | None = None) -> bytes:
+    """A protocol-4 pickle of ``body`` opcodes in one frame (claiming ``frame`` bytes if given)."""
+    return b"\x80\x04\x95" + struct.pack("<Q", len(body) if frame is None else frame) + body
+
+
+FRAMES = {
+    "whole": pickle.dumps({"a": [1, 2.5, "x" * 300], "b": (None, True)}, protocol=4),
+    "many frames": pickle.dumps([list(range(50)) for _ in range(3000)], protocol=4),
+    "frame past the end": _framed(b"K\x01.", frame=1000),
+    "opcode running past its frame": _framed(b"J\x01\x00", frame=3) + b"\x00\x00.",  # C reads on; pickle's Python frame reader refused
+    "short frame length": b"\x80\x04\x95\x02\x00",
+}
+
+
+@pytest.mark.parametrize("case", sorted(FRAMES))
+def test_in_memory_pickles_read_frames_as_the_c_unpickler_does(case: str) -> None:
+    """ckptkit reads a pickle in memory without pickle's frame reader (a third of a .metadata
+    read): what C's unpickler (torch's DCP reader) accepts, it accepts the same, and what C refuses
+    (a frame past the end), it refuses."""
+    data = FRAMES[case]
+    try:
+        expected: object = pickle.loads(data)
+    except pickle.UnpicklingError:
+        expected = CheckpointFormatError
+    if expected is CheckpointFormatError:
+        with pytest.raises(CheckpointFormatError, match="malformed pickle"):
+            torchpickle.loads(data)
+    else:
+        assert torchpickle.loads(data) == expected

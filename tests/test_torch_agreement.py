@@ -196,7 +196,7 @@ def test_a_deflated_checkpoint_loads_like_torch_and_its_crcs_are_checked(tmp_pat
 
 
 def test_verify_and_the_loader_agree_on_a_storage_larger_than_its_record(tmp_path: Path) -> None:
-    from ckptkit.formats import torchpickle
+    from ckptkit.formats import torchdump, torchpickle
 
     torch.save({"w": torch.ones(16)}, tmp_path / "ok.pt")
     with zipfile.ZipFile(tmp_path / "ok.pt") as zin, zipfile.ZipFile(tmp_path / "big.pt", "w") as zout:
@@ -206,7 +206,7 @@ def test_verify_and_the_loader_agree_on_a_storage_larger_than_its_record(tmp_pat
                 obj = torchpickle.loads(data)
                 ref = obj["w"].storage
                 ref.pid = (*ref.pid[:4], 127)  # 127 floats declared, 16 stored: CRCs stay right
-                data = torchpickle.dumps(obj)[0]
+                data = torchdump.dumps(obj)[0]
             zout.writestr(info, data)
     with pytest.raises(ckptkit.CheckpointFormatError, match="declares 508 bytes but its record holds 64"):
         ckptkit.read_checkpoint(tmp_path / "big.pt")

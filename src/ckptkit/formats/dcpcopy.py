@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 from ..errors import ArgumentError, summarize
-from . import torchpickle as lp
 from .dcpstream import DcpSource, DcpTensor, is_leaf
 from .dtypes import BY_NAME
 from .fileio import Progress
 from .rewrite import new_tensor
 from .safetensors import write_with_crcs
+from .torchdump import dumps
 from .torchzip import ZipWriter
 
 
@@ -39,7 +39,7 @@ def write_torch_zip(f: BinaryIO, src: DcpSource, obj: Any, progress: Progress | 
         return node
 
     w = ZipWriter(f, alignment=64)
-    prefix = w.start_torch_archive(lp.dumps(convert(obj))[0])
+    prefix = w.start_torch_archive(dumps(convert(obj))[0])
     damage = src.damage()
     for i, t in enumerate(order):
         w.add_written(f"{prefix}data/{i}", t.nbytes, lambda t=t: src.copy(t, f, damage, progress))  # type: ignore[misc]

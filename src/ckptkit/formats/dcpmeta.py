@@ -28,7 +28,6 @@ from . import torchpickle as lp
 from .dcp import is_dcp_class
 from .detect import DCP_METADATA
 from .dtypes import BY_NAME
-from .fileio import ClampedReader
 from .rewrite import NeedsTorch
 
 _META = "torch.distributed.checkpoint.metadata."
@@ -130,7 +129,7 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
         CheckpointFormatError: it is not a well-formed pickle.
     """
     with open(Path(folder) / DCP_METADATA, "rb") as f:
-        meta = lp.loads(ClampedReader(f), unpickler=_Unpickler)  # type: ignore[arg-type]
+        meta = lp.loads(f.read(), unpickler=_Unpickler)  # its size on disk: read whole, as torch's reader does
     try:
         return _interpret(meta)
     except CheckpointFormatError as e:  # what no reader may accept (torch's would allocate for it)

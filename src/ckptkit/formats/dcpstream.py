@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from . import torchpickle as lp
@@ -36,8 +36,7 @@ _WINDOW = 4096  # bytes read up front at each end of a chunk's zip: its headers,
 _Seen = dict[tuple[bytes, str, tuple[int, ...], str], lp.TensorRef]  # checked chunk layouts: see _chunk_tensor
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """``length`` bytes at ``offset`` of ``file`` (a ``.distcp`` name), whose CRC-32 is ``crc``."""
 
     file: str

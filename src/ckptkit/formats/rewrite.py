@@ -27,6 +27,7 @@ from .fileio import Progress, copy_range, crc_of_range
 from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, write_with_crcs
 from .source import NeedsTorch, Source, StRef, is_leaf, open_source
+from .torchdump import dumps
 from .torchzip import Record, ZipWriter
 
 __all__ = ["NeedsTorch", "Source", "StRef", "is_leaf", "locate", "new_tensor", "open_source", "rename_safetensors",
@@ -206,7 +207,7 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
 def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:
     """Write ``obj`` (containers with leaves of ``src``) as a torch zip checkpoint."""
     if src.zip is not None and src.file is not None:
-        data, keys = lp.dumps(obj)
+        data, keys = dumps(obj)
         used = set(keys)
         z = src.zip
         w = ZipWriter(f, alignment=z.alignment)
@@ -244,7 +245,7 @@ def _safetensors_to_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress |
         raise NeedsTorch("torch zip shards into one torch zip")
     converted = OrderedDict((k, to_tensor(v)) for k, v in obj.items())
     w = ZipWriter(f, alignment=64)
-    prefix = w.start_torch_archive(lp.dumps(converted)[0])
+    prefix = w.start_torch_archive(dumps(converted)[0])
     damage = _damage(src)
     for i, ref in enumerate(ranges):
         # A zip record's CRC-32 precedes its bytes: the recorded one if the source has it, else

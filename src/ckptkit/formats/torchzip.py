@@ -15,23 +15,21 @@ import re
 import struct
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from .fileio import Progress, copy_range, crc32, write_checked
 from .zipcheck import CENTRAL as _CENTRAL
 from .zipcheck import LOCAL as _LOCAL
-from .zipcheck import check_like_torch
+from .zipcheck import read_directory
 
 _U32 = 0xFFFFFFFF  # the "see zip64 extra" sentinel
 ZIP64_AT = _U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
 MAX_FORMAT_VERSION = 10  # kMaxSupportedFileFormatVersion of torch's reader (10 in torch 2.13)
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):  # a tuple: a torch zip opened in a DCP folder makes hundreds
     """One zip member: where its (stored or compressed) bytes are and what the zip says of them."""
 
     name: str
@@ -79,36 +77,26 @@ class TorchZip:
     def _open(self) -> None:
         f = self.file
         size = f.seek(0, os.SEEK_END)  # not fstat: ``file`` may be a SliceReader, a zip inside another file
-        try:
-            zf = zipfile.ZipFile(f)
-            central = zf.infolist()
-            infos = sorted(central, key=lambda i: i.header_offset)
-        except PARSE_ERRORS as e:
-            raise CheckpointFormatError(f"{self.path}: damaged zip archive ({type(e).__name__}: {e})") from e
-        check_like_torch(self.path, f, size, infos)
-        pkl = [i.filename for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+        central = read_directory(self.path, f, size)
+        pkl = [e.name for e in central if e.name.endswith("/data.pkl") or e.name == "data.pkl"]
         if len(pkl) != 1:
             raise CheckpointFormatError(f"{self.path}: a torch checkpoint has one data.pkl, this zip has {len(pkl)}")
         self.prefix = pkl[0][: -len("data.pkl")]
         self.records: list[Record] = []
-        for info in infos:
-            if not 0 <= info.header_offset < size:
-                raise CheckpointFormatError(f"{self.path}: zip directory points {info.filename} outside the file")
-            f.seek(info.header_offset)
+        for e in sorted(central, key=lambda e: e.header_offset):
+            if not 0 <= e.header_offset < size:
+                raise CheckpointFormatError(f"{self.path}: zip directory points {e.name} outside the file")
+            f.seek(e.header_offset)
             head = f.read(_LOCAL.size)
             if len(head) < _LOCAL.size or head[:4] != b"PK\x03\x04":
-                raise CheckpointFormatError(f"{self.path}: local header of {info.filename} is damaged")
+                raise CheckpointFormatError(f"{self.path}: local header of {e.name} is damaged")
             name_len, extra_len = struct.unpack("<HH", head[26:30])
-            start = info.header_offset + _LOCAL.size + name_len + extra_len
-            if start + info.compress_size > size:
-                raise CheckpointFormatError(
-                    f"{self.path}: record {info.filename} runs past the end of the file (truncated?)"
-                )
-            self.records.append(
-                Record(info.filename, start, info.compress_size, info.file_size, info.CRC, info.compress_type)
-            )
+            start = e.header_offset + _LOCAL.size + name_len + extra_len
+            if start + e.compressed_size > size:
+                raise CheckpointFormatError(f"{self.path}: record {e.name} runs past the end of the file (truncated?)")
+            self.records.append(Record(e.name, start, e.compressed_size, e.size, e.crc, e.method))
         self.by_name = {r.name: r for r in self.records}
-        self._check_archive(central[0].filename if central else "")
+        self._check_archive(central[0].name if central else "")
 
     def _check_archive(self, first: str) -> None:
         """What torch's reader requires of the archive and its small records (inline_container.cc,
