@@ -21,9 +21,9 @@ import torch
 
 from ckptkit import read_checkpoint
 from ckptkit.errors import CheckpointFormatError
+from ckptkit.formats import torchpickle
 from ckptkit.formats.dcpmeta import read_metadata
 from ckptkit.formats.dcpstream import DcpTensor, open_dcp
-from ckptkit.formats import torchpickle
 from ckptkit.formats.fileio import crc32
 from ckptkit.formats.torchzip import SliceReader, TorchZip
 from ckptkit.formats.zipcheck import _end_record
@@ -85,6 +85,25 @@ def test_damaged_central_directory_is_refused_naming_the_tensor(tmp_path: Path) 
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and f"tensor b: {WHERE}" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_a_lazily_opened_folder_finds_each_tensors_chunks_when_asked(tmp_path: Path) -> None:
+    """convert opens lazily, so that chunk headers are read while the disk writes back what was
+    copied: a damaged chunk is then refused when its tensor is reached, naming it, not at open."""
+    folder = _save(tmp_path)
+    path, offset, zf, _ = _chunk_zip(folder, "b")
+    _patch(path, offset + zf.start_dir + 3, b"\x09")
+    src = open_dcp(folder, lazy=True)
+    try:
+        a = src.obj["a"]
+        assert a._pieces is None and a.nbytes == 64 * 64 * 4  # nothing read yet; the size is .metadata's
+        assert [(p.length, p.crc) for p in a.pieces] == [(64 * 64 * 4, crc32(_state()["a"].numpy().tobytes()))]
+        with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
+            src.obj["b"].pieces  # noqa: B018
+    finally:
+        src.close()
+    with pytest.raises(CheckpointFormatError, match="tensor b: "):
+        open_dcp(folder)  # the default: every chunk read at open
 
 
 def _replace_data_pkl(folder: Path, fqn: str, payload: bytes) -> None:

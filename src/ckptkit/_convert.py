@@ -157,7 +157,7 @@ def convert_checkpoint(
     reason = "trusted file: loaded with torch" if trust else "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
     if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP):
         try:
-            view = dcps.open_dcp(source) if in_fmt == DCP else fp.open_source(source, in_fmt)
+            view = dcps.open_dcp(source, lazy=True) if in_fmt == DCP else fp.open_source(source, in_fmt)
             try:
                 if out_fmt == HF:
                     report = job.run(view.obj, _is_leaf(view), lambda _, obj, sd: write_shards(dest, view, sd, max_shard_size=limit, progress=report_progress))

@@ -9,14 +9,16 @@ writers here copy them kernel-side into one record, checking each piece against 
 is copied and combining them into the record's. A writer of another layout (sharded
 safetensors) needs only :meth:`DcpSource.copy`. What this does not model (chunks split along
 another dimension, transforms, non-tensor values beyond plain ones) raises
-:class:`~.rewrite.NeedsTorch` before a byte is written.
+:class:`~.rewrite.NeedsTorch` when that tensor's pieces are found: at :func:`open_dcp`, or, opened
+``lazy`` (convert), when the writer reaches it; the writer's atomic output is then dropped and
+convert falls back to torch.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -48,16 +50,24 @@ class Piece(NamedTuple):
 
 @dataclass(eq=False)
 class DcpTensor:
-    """A full tensor as the pieces of its bytes, in order."""
+    """A full tensor as the pieces of its bytes, in order (found when first asked for, where
+    :func:`open_dcp` was ``lazy``)."""
 
     fqn: str
     dtype: str
     shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
+    find: Callable[[], tuple[Piece, ...]] = field(repr=False)
+    _pieces: tuple[Piece, ...] | None = field(default=None, repr=False)
 
     @property
-    def nbytes(self) -> int:
-        return sum(p.length for p in self.pieces)
+    def pieces(self) -> tuple[Piece, ...]:
+        if self._pieces is None:
+            self._pieces = self.find()
+        return self._pieces
+
+    @property
+    def nbytes(self) -> int:  # what the pieces add up to: each chunk was checked against .metadata
+        return _numel(self.shape) * BY_NAME[self.dtype].itemsize
 
 
 @dataclass
@@ -109,8 +119,12 @@ def chunk_crc_check(src: DcpSource, progress: Progress | None = None) -> Check:
     return Check("CRC-32 of every chunk", "integrity", not bad, detail)
 
 
-def open_dcp(folder: str | os.PathLike[str]) -> DcpSource:
+def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False) -> DcpSource:
     """Describe a DCP folder's tensors as pieces (reads ``.metadata`` and each chunk's zip header).
+
+    ``lazy``: read ``.metadata`` now and each tensor's chunk headers when its pieces are first
+    asked for. A writer copying tensors in order (convert) then reads them while the disk
+    writes back what it copied; the errors below may then come from :attr:`DcpTensor.pieces`.
 
     Raises:
         NeedsTorch, UnsupportedGlobal: something here is not modelled; torch's reader may read it.
@@ -121,7 +135,14 @@ def open_dcp(folder: str | os.PathLike[str]) -> DcpSource:
         meta = read_metadata(src.folder)
         seen: _Seen = {}
         for fqn, entry in meta.entries.items():
-            value = _tensor(src, entry, seen) if isinstance(entry, TensorEntry) else _value(src, entry)
+            if isinstance(entry, TensorEntry):
+                if entry.dtype not in BY_NAME:
+                    raise NeedsTorch(f"tensor {entry.fqn} has dtype {entry.dtype}")
+                value: Any = DcpTensor(entry.fqn, entry.dtype, entry.shape, lambda e=entry: _pieces(src, e, seen))  # type: ignore[misc]
+                if not lazy:
+                    value.pieces  # noqa: B018 - found now: errors come from open_dcp
+            else:
+                value = _value(src, entry)
             _set_element(src.obj, meta.paths.get(fqn, (fqn,)), value)
         return src
     except BaseException:
@@ -174,9 +195,7 @@ def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
         raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
 
 
-def _tensor(src: DcpSource, e: TensorEntry, seen: _Seen) -> DcpTensor:
-    if e.dtype not in BY_NAME:
-        raise NeedsTorch(f"tensor {e.fqn} has dtype {e.dtype}")
+def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[Piece, ...]:
     pieces = []
     for c in _in_order(src, e):
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
@@ -186,7 +205,7 @@ def _tensor(src: DcpSource, e: TensorEntry, seen: _Seen) -> DcpTensor:
         if rec.method != 0 or t.byte_range() != (0, rec.size):
             raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}")
         pieces.append(Piece(c.stored.file, view.start + rec.data_offset, rec.size, rec.crc, what))
-    return DcpTensor(e.fqn, e.dtype, e.shape, tuple(pieces))
+    return tuple(pieces)
 
 
 def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: str, seen: _Seen) -> lp.TensorRef:
