@@ -114,51 +114,67 @@ def copy_range(
     written_at = os.lseek(out, 0, os.SEEK_CUR)
     value = done = started = 0
     use_kernel = hasattr(os, "copy_file_range")
-    with _mapped(inp, offset, length) if crc and use_kernel else contextlib.nullcontext() as view:
-        while done < length:
-            step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
-            n = 0
-            if use_kernel:
-                try:
-                    n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, view)
-                except OSError:  # cross-device on old kernels, or a filesystem without support
-                    use_kernel = False
-            if not use_kernel:
-                src.seek(offset + done)
-                chunk = src.read(step)
-                dst.write(chunk)
-                dst.flush()
-                n = len(chunk)
-                value = _crc32(chunk, value) if crc else 0
-            if n <= 0:
-                raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
-            done += n
-            if done - started >= _CHUNK or done == length:
-                _start_writeback(out, written_at + started, done - started)
-                started = done
-            if progress is not None:
-                progress(n)
+    mapped = crc and use_kernel and _mappable(inp, offset, length)
+    while done < length:
+        step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
+        n = 0
+        if use_kernel:
+            try:
+                n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, mapped)
+            except OSError:  # cross-device on old kernels, or a filesystem without support
+                use_kernel = False
+        if not use_kernel:
+            src.seek(offset + done)
+            chunk = src.read(step)
+            dst.write(chunk)
+            dst.flush()
+            n = len(chunk)
+            value = _crc32(chunk, value) if crc else 0
+        if n <= 0:
+            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
+        done += n
+        if done - started >= _CHUNK or done == length:
+            _start_writeback(out, written_at + started, done - started)
+            started = done
+        if progress is not None:
+            progress(n)
     return value
 
 
-def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, view: _View | None) -> tuple[int, int]:
+def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapped: bool) -> tuple[int, int]:
     """``copy_file_range`` of up to ``step`` bytes at ``at``: ``(bytes copied, CRC-32 continued
     from value)``; no CRC (0) where ``value`` is None."""
     if value is None:
         return os.copy_file_range(inp, out, step, at), 0
-    if view is None:  # not mapped (a short range): read back what was copied, from warm pages
+    if not mapped:  # a short range: read back what was copied, from warm pages
         n = os.copy_file_range(inp, out, step, at)
         return n, _crc32(os.pread(inp, n, at), value) if n > 0 else value
-    whole, first = view
-    with whole[at - first : at - first + step] as part:
-        crc = _in_background(_crc32, part, value)  # on another core, while the kernel copies the same bytes
-        try:
-            n = os.copy_file_range(inp, out, step, at)
-        finally:
-            stepped = crc()  # the thread reads the mapping: it must finish before the mapping may close
-        if n == step:
-            return n, stepped
-        return n, _crc32(part[:n], value) if n > 0 else value  # a short copy: CRC what was copied
+    # On another core, while the kernel copies the same bytes: that thread maps, CRCs and
+    # unmaps its step, so the page-table work of the mapping stays off this thread.
+    crc = _in_background(_crc_of_mapped, inp, at, step, value)
+    try:
+        n = os.copy_file_range(inp, out, step, at)
+    finally:
+        stepped = crc()
+    if n == step:
+        return n, stepped
+    return n, _crc_of_mapped(inp, at, n, value) if n > 0 else value  # a short copy: CRC what was copied
+
+
+def _mappable(fd: int, offset: int, length: int) -> bool:
+    # past the end, mapped reads would SIGBUS; a short range costs more to map than to read
+    return length >= _MAPPED_FROM and offset + length <= os.fstat(fd).st_size
+
+
+def _crc_of_mapped(fd: int, at: int, n: int, value: int) -> int:
+    """CRC-32 of ``n`` bytes of the file at ``at`` through a read-only mapping (read where the
+    file cannot be mapped), continued from ``value``."""
+    with _mapped(fd, at, n) as view:
+        if view is None:
+            return _crc32(os.pread(fd, n, at), value)
+        whole, first = view
+        with whole[at - first : at - first + n] as part:
+            return _crc32(part, value)
 
 
 _View = tuple[memoryview, int]
