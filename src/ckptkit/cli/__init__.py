@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 try:
-    from . import commands, launch  # noqa: F401  (importing them registers the commands)
+    from . import commands  # noqa: F401  (importing it registers the commands; train's loads when used)
     from .base import main
 except KeyboardInterrupt:  # Ctrl-C while the command line loads: one line, not a traceback
     sys.stderr.write("ckptkit: error: stopped by SIGINT; nothing was written\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import signal
 import sys
@@ -111,7 +112,26 @@ def emit_json(data: dict[str, Any]) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """The commands; ``train``'s module (the trainer's options, logging, argparse) is imported
+    only when ``train`` runs or help lists it, so the other commands start ~10 ms sooner."""
+
+    lazy = {"train": "ckptkit.cli.launch"}  # command -> the module that registers it on ``main``
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.lazy:
+            try:
+                importlib.import_module(self.lazy[cmd_name])
+            except KeyboardInterrupt:  # Ctrl-C while it loads: one line, as in ckptkit.cli
+                sys.stderr.write("ckptkit: error: stopped by SIGINT; nothing was written\n")
+                sys.exit(130)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
 @click.version_option(package_name="ckptkit")
 def main(debug: bool) -> None:

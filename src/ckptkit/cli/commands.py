@@ -7,7 +7,7 @@ from typing import Literal
 
 import click
 
-from ckptkit import convert_checkpoint, diff_checkpoints, inspect_checkpoint, verify_checkpoint
+import ckptkit  # each command touches only its own function: the package imports it on first use
 
 from .base import BIG, emit_json, handle_errors, main
 from .render import human_bytes, progress_bar, render_diff, render_summary, render_verify
@@ -51,7 +51,7 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
     safetensors shards (default 5GB each); --format dcp writes a DCP folder.
     """
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
-        report = convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
+        report = ckptkit.convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
                                     trust=trust, allow_globals=allow_global, force=force, progress=progress,
                                     max_shard_size=max_shard_size, format=out_format)  # fmt: skip
     if as_json:
@@ -94,7 +94,7 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
 @handle_errors
 def inspect(file: str, key: str | None, show_all: bool, trust: bool, allow_global: tuple[str, ...], as_json: bool) -> None:
     """Summarise FILE: layout, where the weights are, wrapper prefixes, tensors, metadata."""
-    summary = inspect_checkpoint(file, key=key, trust=trust, allow_globals=allow_global)
+    summary = ckptkit.inspect_checkpoint(file, key=key, trust=trust, allow_globals=allow_global)
     for note in [] if as_json else summary.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
@@ -124,7 +124,7 @@ def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str
     file), as GNU diff does.
     """
     with progress_bar(a, b, threshold=BIG, enabled=not as_json) as progress:
-        report = diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust,
+        report = ckptkit.diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust,
                                   allow_globals=allow_global, progress=progress)  # fmt: skip
     for note in [] if as_json else report.notes:
         click.echo(f"note: {note}", err=True)
@@ -142,7 +142,7 @@ def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str
 def verify(file: str, as_json: bool) -> None:
     """Check FILE's integrity (CRCs, bounds, shards) and that it loads without --trust. Exit 1 if not."""
     with progress_bar(file, threshold=BIG, enabled=not as_json) as progress:
-        report = verify_checkpoint(file, progress=progress)
+        report = ckptkit.verify_checkpoint(file, progress=progress)
     for note in [] if as_json else report.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:
