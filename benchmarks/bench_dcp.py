@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_convert import add_common_args, gpt_dims, run, spread, warm  # noqa: E402
+from benchmarks.bench_convert import add_common_args, compile_ckptkit, gpt_dims, run, spread, warm  # noqa: E402
 
 NAIVE = """
 import sys
@@ -101,6 +101,7 @@ def main() -> int:
                     help="only the folder -> one file and the same weights' one file -> one file, alternated; "
                          "prints every run's time (this disk's 2-3 s outliers hide a 5%% difference in medians)")  # fmt: skip
     args = ap.parse_args()
+    compile_ckptkit()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-dcp-"))
     try:
         src = scratch / "ckpt.dcp"

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_convert import add_common_args, make_checkpoint, run, spread, warm  # noqa: E402
+from benchmarks.bench_convert import add_common_args, compile_ckptkit, make_checkpoint, run, spread, warm  # noqa: E402
 
 
 def main() -> int:
@@ -28,6 +28,7 @@ def main() -> int:
     add_common_args(ap, runs=3, only_memory="only the ckptkit convert (for big --gib)")
     ap.add_argument("--max-shard-size", default="200MB", help="shard size for ckptkit (default: 200MB, ~5 shards a GiB)")
     args = ap.parse_args()
+    compile_ckptkit()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-"))
     try:
         pt, _ = make_checkpoint(scratch, args.gib)
