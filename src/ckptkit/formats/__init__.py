@@ -6,8 +6,9 @@ module, so ``ckptkit convert`` and ``inspect`` run at copy speed and start in mi
 Modules:
 
 - ``detect``: which format a path holds; ``dtypes``: the one dtype table;
-- ``torchzip``/``zipcheck``: torch's zip container, read and written; ``torchpickle``: torch's
-  pickles read through inert stand-ins; ``bounds``: declared sizes against real bytes;
+- ``torchzip``/``zipcheck``: torch's zip container, read and written (``zipcheck``: its
+  directory, read by miniz's rules); ``torchpickle``: torch's pickles read through inert
+  stand-ins, ``torchdump``: written from them; ``bounds``: declared sizes against real bytes;
 - ``safetensors``: the safetensors codec; ``dcp``: torch.distributed.checkpoint metadata;
 - ``scan``: which globals a pickle would import, without importing them;
 - ``rewrite``: renaming a checkpoint's keys by copying its bytes; ``fileio``/``atomic``: bounded
