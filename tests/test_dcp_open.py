@@ -26,7 +26,7 @@ from ckptkit.formats.dcpmeta import read_metadata
 from ckptkit.formats.dcpstream import DcpTensor, open_dcp
 from ckptkit.formats.fileio import crc32
 from ckptkit.formats.torchzip import SliceReader, TorchZip
-from ckptkit.formats.zipcheck import _end_record
+from ckptkit.formats.zipcheck import CENTRAL, read_directory
 
 WHERE = "chunk at [0, 0] in __0_0.distcp"
 WHERE_RE = re.escape(WHERE)
@@ -189,40 +189,57 @@ def test_windows_of_a_file_shorter_than_the_slice_are_not_used(tmp_path: Path) -
         assert view.read() == bytes(range(80, 90))
 
 
-def _pt(tmp_path: Path, comment: bytes) -> Path:
+def _pt(tmp_path: Path, comment: bytes = b"", *, appended: int = 0, zip64_only: bool = False) -> Path:
+    """A torch file with an archive comment, ``appended`` stray bytes after it, and with
+    ``zip64_only`` its own end records kept (torch writes zip64 ones) and the 32-bit record's
+    counts and offsets set to zip64's placeholders, so only the zip64 record says where things are."""
     path = tmp_path / "t.pt"
-    torch.save({"w": torch.arange(6.0)}, path)
-    with zipfile.ZipFile(path, "a") as zf:  # zipfile writes the comment (and its length) into the end record
-        zf.comment = comment
+    torch.save({"w": torch.arange(50_000.0)}, path)  # 200 kB: a file smaller than its 64 KiB search trips a miniz bug
+    if zip64_only:
+        data = bytearray(path.read_bytes())
+        struct.pack_into("<2HIIH", data, len(data) - 22 + 8, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, len(comment))
+        data += comment
+    else:
+        with zipfile.ZipFile(path, "a") as zf:  # zipfile writes the comment (and its length) into the end record
+            zf.comment = comment
+        data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data) + b"z" * appended)
     return path
 
 
-@pytest.mark.parametrize(
-    "comment",
-    [b"", b"a note", b"x" * 30 + b"PK\x05\x06" + b"y" * 10, b"tail ends with PK\x05\x06", b"PK\x05\x06" * 20 + b"zz",
-     b"PK\x05\x06" + b"q" * 14 + b"PK\x05\x06"],
-    ids=["none", "plain", "signature-in-comment", "signature-at-end", "many-signatures", "signature-at-both-ends"],
-)
-def test_end_record_is_the_last_signature_with_a_whole_record_after_it(tmp_path: Path, comment: bytes) -> None:
-    """As miniz finds it: a signature in the comment's last 21 bytes is no end record. zipfile took
-    the last signature of all, and so called files torch reads damaged ("signature-in-comment")."""
-    path = _pt(tmp_path, comment)
-    data = path.read_bytes()
-    with open(path, "rb") as f:
-        tail, at = _end_record(f, len(data))
-    reference = data[max(0, len(data) - (22 + 0xFFFF)) :]
-    found = reference.rfind(b"PK\x05\x06", 0, len(reference) - 18)
-    assert tail[at : at + 22] == reference[found : found + 22]
-    assert tail[max(0, at - 20) : at] == reference[max(0, found - 20) : found]
+END_RECORDS = {
+    "none": {}, "plain": {"comment": b"a note"}, "signature-in-comment": {"comment": b"x" * 30 + b"PK\x05\x06" + b"y" * 10},
+    "signature-at-end": {"comment": b"tail ends with PK\x05\x06"}, "many-signatures": {"comment": b"PK\x05\x06" * 20 + b"zz"},
+    "signature-at-both-ends": {"comment": b"PK\x05\x06" + b"q" * 14 + b"PK\x05\x06"},
+    "longest comment, zip64 records": {"comment": b"c" * 65520, "zip64_only": True},
+    **{f"{n} bytes appended": {"appended": n} for n in (65_540, 66_000, 68_000, 69_700)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(END_RECORDS))
+def test_end_record_is_found_where_torch_finds_it(tmp_path: Path, case: str) -> None:
+    """miniz takes the last signature with a whole 22-byte record after it, searching back in 4 KiB
+    blocks until 64 KiB are covered, and looks for a zip64 locator 20 bytes before it. zipfile took
+    the last signature of all ("signature-in-comment": a file torch reads, called damaged)."""
+    path = _pt(tmp_path, **END_RECORDS[case])  # type: ignore[arg-type]
     try:
         expected = torch.load(path, weights_only=True)["w"]
-    except RuntimeError:  # the comment's signatures stand for a multi-disk end record: torch refuses it
-        expected = None
-    if expected is None:
-        with pytest.raises(CheckpointFormatError, match="multi-disk archive"):
-            TorchZip(path)
+    except RuntimeError:  # e.g. the comment's signatures stand for a multi-disk end record
+        with pytest.raises(CheckpointFormatError):
+            read_checkpoint(path)
     else:
         assert torch.equal(read_checkpoint(path)["w"], expected)
+
+
+def test_a_zip64_size_of_exactly_0xffffffff_is_read() -> None:
+    """torch (and ckptkit's writer) use zip64 from 2**32 - 1 bytes on, so the 64-bit size may be
+    0xFFFFFFFF itself; it was taken for a missing field."""
+    name, extra = b"a/data/0", struct.pack("<HHQQ", 1, 16, 0xFFFFFFFF, 0xFFFFFFFF)
+    central = CENTRAL.pack(0x02014B50, 45, 45, 0, 0, 0, 0, 0, 0xFFFFFFFF, 0xFFFFFFFF, len(name), len(extra), 0, 0, 0, 0, 0)
+    directory = central + name + extra
+    data = directory + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 1, 1, len(directory), 0, 0)
+    (entry,) = read_directory(Path("x.pt"), io.BytesIO(data), len(data))
+    assert (entry.size, entry.compressed_size, entry.header_offset) == (0xFFFFFFFF, 0xFFFFFFFF, 0)
 
 
 def test_end_record_checks_still_refuse_a_multi_disk_zip(tmp_path: Path) -> None:

@@ -99,6 +99,8 @@ DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
         b, o, lambda n, d: ("other/" + n.split("/", 1)[1] if n.endswith("/byteorder") else n, d)
     ),
     "zip64 end record: entries here differ from the total": lambda b, o: patch_at(b, o, b"PK\x06\x06", 24, "<Q", 1),
+    "zip64 locator: two disks": lambda b, o: patch_at(b, o, b"PK\x06\x07", 16, "<I", 2),
+    "zip64 end record shorter than its fields": lambda b, o: patch_at(b, o, b"PK\x06\x06", 4, "<Q", 40),
     "tensor with fewer strides than dimensions": lambda b, o: saved(o, {"w": _View((2, 3), (1,))}),
     "tensor view past its storage": lambda b, o: saved(o, {"w": _View((2, 3), (30, 1))}),
 }
@@ -140,6 +142,8 @@ ODD: dict[str, Callable[[Path, Path], Path]] = {
     "no byteorder record": lambda b, o: rewrite_records(b, o, lambda n, d: (None if n.endswith("/byteorder") else n, d)),
     # torch's writer always adds zip64 end records, and then miniz reads the counts there
     "32-bit end record counts differ": lambda b, o: patch_at(b, o, b"PK\x05\x06", 8, "<H", 1),
+    # miniz then ignores the locator and reads the 32-bit end record
+    "zip64 locator pointing at no zip64 end record": lambda b, o: patch_at(b, o, b"PK\x06\x07", 8, "<Q", 0),
 }
 
 

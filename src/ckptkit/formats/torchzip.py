@@ -22,10 +22,9 @@ from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
 from .fileio import Progress, copy_range, crc32, write_checked
 from .zipcheck import CENTRAL as _CENTRAL
 from .zipcheck import LOCAL as _LOCAL
-from .zipcheck import read_directory
+from .zipcheck import U32, read_directory
 
-_U32 = 0xFFFFFFFF  # the "see zip64 extra" sentinel
-ZIP64_AT = _U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
+ZIP64_AT = U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
 MAX_FORMAT_VERSION = 10  # kMaxSupportedFileFormatVersion of torch's reader (10 in torch 2.13)
 
 
@@ -219,7 +218,7 @@ class ZipWriter:
         # "FB" extra field padding so the data starts on an alignment boundary, as torch does.
         pad = -(offset + _LOCAL.size + len(name) + len(extra) + 4) % self.alignment
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
-        sizes = (_U32, _U32) if zip64 else (csize, size)
+        sizes = (U32, U32) if zip64 else (csize, size)
         self.f.write(_LOCAL.pack(0x04034B50, 45 if zip64 else 20, 0, method, 0, 0x21, crc, *sizes, len(name), len(extra)))
         self.f.write(name + extra)
         self.entries.append((name, crc, csize, size, method, offset))
@@ -288,8 +287,8 @@ class ZipWriter:
             self.f.write(
                 _CENTRAL.pack(
                     0x02014B50, 45 if big else 20, 45 if big else 20, 0, method, 0, 0x21, crc,
-                    _U32 if csize >= ZIP64_AT else csize, _U32 if size >= ZIP64_AT else size,
-                    len(name), len(extra), 0, 0, 0, 0, _U32 if offset >= ZIP64_AT else offset,
+                    U32 if csize >= ZIP64_AT else csize, U32 if size >= ZIP64_AT else size,
+                    len(name), len(extra), 0, 0, 0, 0, U32 if offset >= ZIP64_AT else offset,
                 )  # fmt: skip
             )
             self.f.write(name + extra)
@@ -301,6 +300,6 @@ class ZipWriter:
         self.f.write(
             struct.pack(
                 "<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                _U32 if cd_size >= ZIP64_AT else cd_size, _U32 if start >= ZIP64_AT else start, 0,
+                U32 if cd_size >= ZIP64_AT else cd_size, U32 if start >= ZIP64_AT else start, 0,
             )  # fmt: skip
         )

@@ -22,7 +22,7 @@ CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header, 46 by
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
 _SIG = b"PK\x05\x06"  # starts the end of central directory record
-_U32 = 0xFFFFFFFF  # a size or offset in the zip64 extra field instead
+U32 = 0xFFFFFFFF  # a size or offset in the zip64 extra field instead (and the largest 32-bit field)
 _UTF8_NAME = 0x0800  # flag: the name is UTF-8 (else code page 437, as zipfile decodes it)
 _DOS_FOLDER = 0x10  # external attribute: miniz then treats the record as a folder, not a file
 _UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000  # encrypted, patch data, strong encryption, masked
@@ -64,7 +64,7 @@ def read_directory(path: Path, f: BinaryIO, size: int) -> list[Entry]:
             name = directory[start : start + n].decode("utf-8" if flags & _UTF8_NAME else "cp437")
         except UnicodeDecodeError as err:
             raise CheckpointFormatError(f"{path}: damaged zip archive (a record name is not UTF-8: {err})") from err
-        if _U32 in (csize, usize, offset):
+        if U32 in (csize, usize, offset):
             usize, csize, offset = _zip64(path, name, directory[start + n : start + n + e], usize, csize, offset)
         odd = flags & _UNSUPPORTED_FLAGS or method not in _METHODS or volume > 1 or external & _DOS_FOLDER
         if odd or (method == zipfile.ZIP_STORED and csize != usize) or name[-1:] == "/":
@@ -74,20 +74,27 @@ def read_directory(path: Path, f: BinaryIO, size: int) -> list[Entry]:
 
 
 def _locate(path: Path, f: BinaryIO, size: int) -> tuple[int, int, int]:
-    """The central directory's offset, size and entry count, from the end records."""
-    tail, at = _end_record(f, size)
-    if at < 0:
+    """The central directory's offset, size and entry count, from the end records, as miniz reads them."""
+    eocd, block = _end_record(f, size)
+    if eocd < 0:
         raise CheckpointFormatError(f"{path}: damaged zip archive (no end of central directory record; truncated?)")
-    _, disk, cd_disk, here, total, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
-    locator = tail[at - 20 : at] if at >= 20 else b""
+    _, disk, cd_disk, here, total, cd_size, cd_offset, _ = _EOCD.unpack_from(block, len(block) - _EOCD.size)
+    locator = block[-_EOCD.size - 20 : -_EOCD.size] if eocd >= 20 + _EOCD64.size else b""
     if locator[:4] == b"PK\x06\x07":
-        # Python's zipfile looks for the zip64 end record just before the locator; torch
-        # follows the locator's offset, so that offset has to be right too.
-        f.seek(min(struct.unpack_from("<Q", locator, 8)[0], size))
+        # zipfile looks for the zip64 end record just before the locator; torch follows its offset.
+        record_at, disks = struct.unpack_from("<QI", locator, 8)
+        if record_at > size - _EOCD64.size:
+            raise CheckpointFormatError(f"{path}: the zip64 locator points past the end of the file; the file is damaged")
+        f.seek(record_at)
         record = f.read(_EOCD64.size)
-        if len(record) < _EOCD64.size or record[:4] != b"PK\x06\x06":
-            raise CheckpointFormatError(f"{path}: the zip64 locator points at no zip64 end record; the file is damaged")
-        _, _, _, _, disk, cd_disk, here, total, cd_size, cd_offset = _EOCD64.unpack(record)
+        if record[:4] == b"PK\x06\x06":  # else torch ignores the locator and reads the 32-bit record
+            _, record_size, _, _, disk, cd_disk, here, total, cd_size, cd_offset = _EOCD64.unpack(record)
+            if record_size < _EOCD64.size - 12:
+                raise CheckpointFormatError(f"{path}: the zip64 end record says it is {record_size} bytes long; the file is damaged")
+            if disks != 1:
+                raise CheckpointFormatError(f"{path}: the zip64 locator describes {disks} disks; torch reads one, the file is damaged")
+            if max(total, here, cd_size) > U32:
+                raise UnsupportedCheckpointError(f"{path}: the zip's directory is over 4 GiB or 2**32 entries, beyond torch's reader")
     if (disk, cd_disk) not in ((0, 0), (1, 1)) or here != total:
         raise CheckpointFormatError(
             f"{path}: the zip's end record describes a multi-disk archive (disk {disk}, central directory on "
@@ -99,18 +106,21 @@ def _locate(path: Path, f: BinaryIO, size: int) -> tuple[int, int, int]:
 
 
 def _zip64(path: Path, name: str, extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
-    """Sizes and offset from the zip64 extra field: each one whose 32-bit field is 0xFFFFFFFF, in order."""
+    """Sizes and offset from the zip64 extra field: each one whose 32-bit field is 0xFFFFFFFF, in
+    that order (a 64-bit value may be 0xFFFFFFFF itself: torch writes zip64 from that size on)."""
     pos = 0
     while pos + 4 <= len(extra):
         kind, n = struct.unpack_from("<HH", extra, pos)
         if pos + 4 + n > len(extra):
             break
         if kind == 1:
-            values, at = [usize, csize, offset], pos + 4
+            values, at, end = [usize, csize, offset], pos + 4, pos + 4 + n
             for i in range(3):
-                if values[i] == _U32 and at + 8 <= pos + 4 + n:
+                if values[i] == U32:
+                    if at + 8 > end:
+                        break
                     values[i], at = struct.unpack_from("<Q", extra, at)[0], at + 8
-            if _U32 not in values:
+            else:
                 return values[0], values[1], values[2]
             break
         pos += 4 + n
@@ -137,18 +147,28 @@ def _refuse(path: Path, name: str, flags: int, method: int, csize: int, usize: i
     raise CheckpointFormatError(f"{path}: zip record {name} {why}; the file is damaged")
 
 
-def _end_record(f: BinaryIO, size: int) -> tuple[bytes, int]:
-    """The bytes that end the zip and where its end record starts in them (-1: none).
+def _end_record(f: BinaryIO, size: int) -> tuple[int, bytes]:
+    """Where the zip's end record starts (-1: none), and the bytes from 20 before it (a zip64
+    locator's place) to its end.
 
-    That is, as miniz finds it, the last signature with a whole 22-byte record after it, within
-    the 64 KiB a comment may take. A zip without a comment ends in its end record, so the last
-    22 bytes (and the 20 of a zip64 locator before them) are read first, and mostly suffice.
+    That is, as miniz finds it: the last signature with a whole 22-byte record after it, scanning
+    back from the end in 4 KiB blocks until 64 KiB (the longest comment) and the end record are
+    covered. A zip without a comment ends in its end record, so the last 42 bytes are read first,
+    and mostly suffice.
     """
     f.seek(max(0, size - (_EOCD.size + 20)))
+    block = f.read()
+    if len(block) >= _EOCD.size and block[-_EOCD.size : 4 - _EOCD.size] == _SIG:
+        return size - _EOCD.size, block
+    start = max(size - 4096, 0)
+    while start and size - start < 0xFFFF + _EOCD.size:
+        start = max(start - (4096 - 3), 0)  # miniz's blocks overlap by 3 bytes
+    f.seek(start)
     tail = f.read()
-    at = len(tail) - _EOCD.size
-    if at >= 0 and tail[at : at + 4] == _SIG:
-        return tail, at
-    f.seek(max(0, size - (_EOCD.size + 0xFFFF)))
-    tail = f.read()
-    return tail, tail.rfind(_SIG, 0, max(0, len(tail) - _EOCD.size + len(_SIG)))
+    at = tail.rfind(_SIG, 0, max(0, len(tail) - _EOCD.size + len(_SIG)))
+    if at < 0:
+        return -1, b""
+    if at < 20 <= start + at:  # the locator's place lies before the bytes searched
+        f.seek(start + at - 20)
+        return start + at, f.read(20 + _EOCD.size)
+    return start + at, tail[max(0, at - 20) : at + _EOCD.size]
