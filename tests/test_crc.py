@@ -199,6 +199,27 @@ def test_crc32_combine_gives_the_crc_of_the_joined_bytes(combine: str) -> None:
             assert fn(zlib.crc32(a), zlib.crc32(b), m) == zlib.crc32(a + b), (n, m)
 
 
+def test_a_read_error_while_checking_a_copy_fails_it_and_copies_nothing_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC thread reads the source itself; its OSError (EIO) once passed for "copy_file_range
+    unsupported", and the step just copied was copied again through Python: a longer output
+    whose CRC-32 still matched the source."""
+    data = random.Random(5).randbytes((33 << 20) + 7)  # a mapped 32 MiB step, then a short one read back
+    (tmp_path / "src").write_bytes(data)
+    real_pread, calls = os.pread, []
+
+    def failing_pread(fd: int, n: int, at: int) -> bytes:
+        calls.append(n)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        return real_pread(fd, n, at)
+
+    monkeypatch.setattr(os, "pread", failing_pread)
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        with pytest.raises(OSError, match="Input/output error"):
+            fileio.copy_range(src, dst, 0, len(data), crc=True)
+    assert calls and (tmp_path / "dst").stat().st_size <= len(data)
+
+
 def test_the_fast_crc_library_is_used_where_installed() -> None:
     isal = pytest.importorskip("isal.isal_zlib")
     assert fileio._crc32 is isal.crc32

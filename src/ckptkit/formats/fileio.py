@@ -114,14 +114,14 @@ def copy_range(
     written_at = os.lseek(out, 0, os.SEEK_CUR)
     value = done = started = 0
     use_kernel = hasattr(os, "copy_file_range")
-    mapped = crc and use_kernel and _mappable(inp, offset, length)
+    mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
     while done < length:
         step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
         n = 0
         if use_kernel:
             try:
                 n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, mapped)
-            except OSError:  # cross-device on old kernels, or a filesystem without support
+            except _NoKernelCopy:  # cross-device on old kernels, or a filesystem without support
                 use_kernel = False
         if not use_kernel:
             src.seek(offset + done)
@@ -141,29 +141,35 @@ def copy_range(
     return value
 
 
+class _NoKernelCopy(Exception):  # not an OSError: a read error of the CRC thread must not pass for it
+    """``copy_file_range`` refused (nothing copied): the caller copies through Python instead."""
+
+
+def _copy_file_range(inp: int, out: int, n: int, at: int) -> int:
+    try:
+        return os.copy_file_range(inp, out, n, at)
+    except OSError as e:
+        raise _NoKernelCopy from e
+
+
 def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapped: bool) -> tuple[int, int]:
     """``copy_file_range`` of up to ``step`` bytes at ``at``: ``(bytes copied, CRC-32 continued
     from value)``; no CRC (0) where ``value`` is None."""
     if value is None:
-        return os.copy_file_range(inp, out, step, at), 0
+        return _copy_file_range(inp, out, step, at), 0
     if not mapped:  # a short range: read back what was copied, from warm pages
-        n = os.copy_file_range(inp, out, step, at)
+        n = _copy_file_range(inp, out, step, at)
         return n, _crc32(os.pread(inp, n, at), value) if n > 0 else value
     # On another core, while the kernel copies the same bytes: that thread maps, CRCs and
     # unmaps its step, so the page-table work of the mapping stays off this thread.
     crc = _in_background(_crc_of_mapped, inp, at, step, value)
     try:
-        n = os.copy_file_range(inp, out, step, at)
+        n = _copy_file_range(inp, out, step, at)
     finally:
         stepped = crc()
     if n == step:
         return n, stepped
     return n, _crc_of_mapped(inp, at, n, value) if n > 0 else value  # a short copy: CRC what was copied
-
-
-def _mappable(fd: int, offset: int, length: int) -> bool:
-    # past the end, mapped reads would SIGBUS; a short range costs more to map than to read
-    return length >= _MAPPED_FROM and offset + length <= os.fstat(fd).st_size
 
 
 def _crc_of_mapped(fd: int, at: int, n: int, value: int) -> int:
