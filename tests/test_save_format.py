@@ -93,3 +93,13 @@ def test_torch_save_is_the_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(ts, "save_zip", unknown_torch)
     ckptkit.save_on_master(obj, tmp_path / "x.pt")
     _loads_exactly(tmp_path / "x.pt", {"w": obj["w"], "tied": obj["w"]})
+
+
+@pytest.mark.parametrize("written", [9, 11])
+def test_a_record_written_short_or_long_of_its_header_is_refused(tmp_path: Path, written: int) -> None:
+    """add_written writes the header (its sizes from a DCP folder's .metadata) before the bytes
+    come: a writer that delivers another count must fail, not leave a zip whose records lie."""
+    with open(tmp_path / "out.zip", "wb") as f:
+        w = torchzip.ZipWriter(f)
+        with pytest.raises(ckptkit.CheckpointFormatError, match=rf"record a/data/0: {written} bytes written, its header says 10"):
+            w.add_written("a/data/0", 10, lambda: fileio.write_checked(f, b"x" * written))

@@ -239,10 +239,13 @@ class ZipWriter:
         """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
         of a tensor copied from several files); the CRC is patched into the header afterwards."""
         self._header(name.encode(), 0, size, size, zipfile.ZIP_STORED)
+        start = self.f.tell()
         crc = write()
         name_b, _, csize, size_, method, offset = self.entries[-1]
         self.entries[-1] = (name_b, crc, csize, size_, method, offset)
         self.f.flush()  # the header must be on the file before its CRC field is patched there
+        if self.f.tell() - start != size:  # the header's sizes came first: they must be what was written
+            raise CheckpointFormatError(f"record {name}: {self.f.tell() - start} bytes written, its header says {size}")
         os.pwrite(self.f.fileno(), struct.pack("<I", crc), offset + 14)  # the local header's CRC-32 field
         return crc
 
