@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 import zipfile
 from pathlib import Path
-from typing import BinaryIO, NamedTuple, NoReturn
+from typing import BinaryIO, NamedTuple
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 
@@ -66,9 +66,7 @@ def read_directory(path: Path, f: BinaryIO, size: int) -> list[Entry]:
             raise CheckpointFormatError(f"{path}: damaged zip archive (a record name is not UTF-8: {err})") from err
         if U32 in (csize, usize, offset):
             usize, csize, offset = _zip64(path, name, directory[start + n : start + n + e], usize, csize, offset)
-        odd = flags & _UNSUPPORTED_FLAGS or method not in _METHODS or volume > 1 or external & _DOS_FOLDER
-        if odd or (method == zipfile.ZIP_STORED and csize != usize) or name[-1:] == "/":
-            _refuse(path, name, flags, method, csize, usize, volume)
+        _check(path, name, flags, method, csize, usize, volume, external)
         entries.append(Entry(name, offset, csize, usize, crc, method))
     return entries
 
@@ -127,7 +125,7 @@ def _zip64(path: Path, name: str, extra: bytes, usize: int, csize: int, offset: 
     raise CheckpointFormatError(f"{path}: zip record {name} lacks the zip64 sizes its header calls for; the file is damaged")
 
 
-def _refuse(path: Path, name: str, flags: int, method: int, csize: int, usize: int, volume: int) -> NoReturn:
+def _check(path: Path, name: str, flags: int, method: int, csize: int, usize: int, volume: int, external: int) -> None:
     """Refuse a record torch's reader refuses (or misreads) but Python's zipfile lets through."""
     unreadable = (
         f"has flags 0x{flags:04x} (encrypted or patch data)" if flags & _UNSUPPORTED_FLAGS
@@ -142,9 +140,11 @@ def _refuse(path: Path, name: str, flags: int, method: int, csize: int, usize: i
     why = (
         f"is stored but its sizes differ ({csize} vs {usize})" if method == zipfile.ZIP_STORED and csize != usize
         else f"claims to start on disk {volume} of a multi-disk archive" if volume > 1
-        else "is marked as a folder"
+        else "is marked as a folder" if external & _DOS_FOLDER or name.endswith("/")
+        else None
     )  # fmt: skip
-    raise CheckpointFormatError(f"{path}: zip record {name} {why}; the file is damaged")
+    if why:
+        raise CheckpointFormatError(f"{path}: zip record {name} {why}; the file is damaged")
 
 
 def _end_record(f: BinaryIO, size: int) -> tuple[int, bytes]:
