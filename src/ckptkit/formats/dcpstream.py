@@ -78,6 +78,7 @@ class DcpSource:
     folder: Path
     obj: dict[str, Any]
     files: dict[str, BinaryIO] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
 
     def close(self) -> None:
         for f in self.files.values():
@@ -159,12 +160,13 @@ def _file(src: DcpSource, name: str) -> BinaryIO:
             src.files[name] = open(path, "rb")  # noqa: SIM115 - owned by the source, closed by its user
         except FileNotFoundError as e:
             raise CheckpointFormatError(f"{src.folder}: .metadata stores bytes in {name}, which is missing") from e
+        src.sizes[name] = os.fstat(src.files[name].fileno()).st_size
     return src.files[name]
 
 
 def _zip(src: DcpSource, stored: Stored, what: str) -> tuple[TorchZip, SliceReader]:
     f = _file(src, stored.file)
-    if stored.offset + stored.length > os.fstat(f.fileno()).st_size:
+    if stored.offset + stored.length > src.sizes[stored.file]:
         raise CheckpointFormatError(f"{src.folder}/{stored.file}: {what} runs past the end of the file (truncated?)")
     view = SliceReader(f, stored.offset, stored.length, window=_WINDOW)
     if view.read(4) != b"PK\x03\x04":
