@@ -8,13 +8,12 @@ public API (``ckptkit``, ``ckptkit.errors``): they are its first clients.
 
 from __future__ import annotations
 
-import sys
+from ._stop import stopped_while_loading  # first: it must be there whenever Ctrl-C lands
 
 try:
     from . import commands  # noqa: F401  (importing it registers the commands; train's loads when used)
     from .base import main
-except KeyboardInterrupt:  # Ctrl-C while the command line loads: one line, not a traceback
-    sys.stderr.write("ckptkit: error: stopped by SIGINT; nothing was written\n")
-    sys.exit(130)
+except KeyboardInterrupt:
+    stopped_while_loading()
 
 __all__ = ["main"]

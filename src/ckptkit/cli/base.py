@@ -16,6 +16,8 @@ import click
 
 from ckptkit.errors import ArgumentError, CkptkitError, cli_spelling
 
+from ._stop import stopped_while_loading
+
 F = TypeVar("F", bound=Callable[..., Any])
 BIG = 64 << 20  # show a progress bar for files from this size, on a terminal
 
@@ -125,9 +127,8 @@ class _Group(click.Group):
         if cmd_name not in self.commands and cmd_name in self.lazy:
             try:
                 importlib.import_module(self.lazy[cmd_name])
-            except KeyboardInterrupt:  # Ctrl-C while it loads: one line, as in ckptkit.cli
-                sys.stderr.write("ckptkit: error: stopped by SIGINT; nothing was written\n")
-                sys.exit(130)
+            except KeyboardInterrupt:
+                stopped_while_loading()
         return super().get_command(ctx, cmd_name)
 
 
