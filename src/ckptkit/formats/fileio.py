@@ -12,11 +12,11 @@ import contextlib
 import ctypes
 import mmap
 import os
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
+from .helper import in_background
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -162,7 +162,7 @@ def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapp
         return n, _crc32(os.pread(inp, n, at), value) if n > 0 else value
     # On another core, while the kernel copies the same bytes: that thread maps, CRCs and
     # unmaps its step, so the page-table work of the mapping stays off this thread.
-    crc = _in_background(_crc_of_mapped, inp, at, step, value)
+    crc = in_background(_crc_of_mapped, inp, at, step, value)
     try:
         n = _copy_file_range(inp, out, step, at)
     finally:
@@ -184,48 +184,6 @@ def _crc_of_mapped(fd: int, at: int, n: int, value: int) -> int:
 
 
 _View = tuple[memoryview, int]
-
-
-def _in_background(fn: Callable[..., int], *args: Any) -> Callable[[], int]:
-    """Start ``fn(*args)`` on its own daemon thread; returns the function that waits for its result.
-
-    A thread a step, not a pool: a signal landing while a pool starts its worker leaves a thread
-    the pool never registered, and interpreter exit then waits for it forever. A daemon thread
-    never holds up exit, and the waits below never leave while it may still read the caller's
-    buffer (a mapping the caller closes next).
-    """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # handed to the waiting thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="ckptkit-crc", daemon=True)
-    try:
-        thread.start()
-    except BaseException:
-        _settle(thread)
-        raise
-
-    def wait() -> int:
-        try:
-            thread.join()
-        except BaseException:  # a signal while waiting: let the thread finish with the buffer first
-            _settle(thread)
-            raise
-        if "error" in box:
-            raise box["error"]
-        return int(box["value"])
-
-    return wait
-
-
-def _settle(thread: threading.Thread) -> None:
-    while thread.ident is not None and thread.is_alive():
-        with contextlib.suppress(BaseException):  # a CRC of one step takes milliseconds: wait it out
-            thread.join()
 
 
 @contextlib.contextmanager
@@ -272,7 +230,7 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None) -> 
     with memoryview(buf) as whole, whole.cast("B") as data:
         for at in range(0, len(data), _CHECKED_STEP):
             with data[at : at + _CHECKED_STEP] as part:
-                crc = _in_background(_crc32, part, value)
+                crc = in_background(_crc32, part, value)
                 try:
                     dst.write(part)
                 finally:
