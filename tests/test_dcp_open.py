@@ -13,18 +13,21 @@ import re
 import struct
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from ckptkit import read_checkpoint
+from ckptkit import convert_checkpoint, read_checkpoint
 from ckptkit.errors import CheckpointFormatError
-from ckptkit.formats import torchpickle
+from ckptkit.formats import dcpstream, torchpickle
 from ckptkit.formats.dcpmeta import read_metadata
 from ckptkit.formats.dcpstream import DcpTensor, open_dcp
 from ckptkit.formats.fileio import crc32
+from ckptkit.formats.rewrite import NeedsTorch
 from ckptkit.formats.torchzip import SliceReader, TorchZip
 from ckptkit.formats.zipcheck import CENTRAL, read_directory
 
@@ -96,7 +99,7 @@ def test_a_lazily_opened_folder_finds_each_tensors_chunks_when_asked(tmp_path: P
     src = open_dcp(folder, lazy=True)
     try:
         a = src.obj["a"]
-        assert a._pieces is None and a.nbytes == 64 * 64 * 4  # nothing read yet; the size is .metadata's
+        assert a._found is None and a.nbytes == 64 * 64 * 4  # nothing read yet; the size is .metadata's
         assert [(p.length, p.crc) for p in a.pieces] == [(64 * 64 * 4, crc32(_state()["a"].numpy().tobytes()))]
         with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
             src.obj["b"].pieces  # noqa: B018
@@ -104,6 +107,43 @@ def test_a_lazily_opened_folder_finds_each_tensors_chunks_when_asked(tmp_path: P
         src.close()
     with pytest.raises(CheckpointFormatError, match="tensor b: "):
         open_dcp(folder)  # the default: every chunk read at open
+
+
+@pytest.mark.parametrize("damage", ["directory", "split"])
+def test_chunks_found_ahead_by_a_helper_fail_when_the_writer_reaches_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """convert finds the next tensors' chunks on a helper thread while the kernel copies a long
+    piece. What it finds wrong there is raised as before, when the writer reaches that tensor:
+    a damaged chunk fails naming it, leaving nothing; one torch must read falls back to torch."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.full((64, 64), 2.5), "c": torch.ones(3)}
+    folder = tmp_path / "ckpt.dcp"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)  # a: one 4 MiB chunk, a step long enough for a helper
+    if damage == "directory":
+        path, offset, zf, _ = _chunk_zip(folder, "b")
+        _patch(path, offset + zf.start_dir + 3, b"\x09")
+    found_by: dict[str, str] = {}
+    real = dcpstream._pieces
+
+    def pieces(src: Any, e: Any, seen: Any) -> Any:
+        found_by[e.fqn] = threading.current_thread().name
+        if damage == "split" and e.fqn == "b":
+            raise NeedsTorch("tensor b is split along dim 1")  # what _in_order raises for such chunks
+        return real(src, e, seen)
+
+    monkeypatch.setattr(dcpstream, "_pieces", pieces)
+    out = tmp_path / "out.pt"
+    if damage == "directory":
+        with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
+            convert_checkpoint(folder, out)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.dcp"]
+    else:
+        report = convert_checkpoint(folder, out)
+        assert not report.fast and "split along dim 1" in report.fallback_reason
+        assert {k: torch.equal(v, state[k]) for k, v in torch.load(out).items()} == dict.fromkeys(state, True)
+    assert (found_by["a"], found_by["b"]) == ("MainThread", "ckptkit-crc")  # b: while a was copied
 
 
 def _replace_data_pkl(folder: Path, fqn: str, payload: bytes) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointFormatError
+from ..errors import PARSE_ERRORS, CheckpointFormatError
 from . import torchpickle as lp
 from .dcp import is_dcp_class
 from .detect import DCP_METADATA
@@ -219,3 +219,23 @@ def _path(value: Any, entries: int) -> list[str | int]:
         raise CheckpointFormatError(f".metadata's planner_data path {list(value)!r:.80} has list index {bad[0]}, "
                                     f"beyond the folder's {entries} entries")  # fmt: skip
     return list(value)
+
+
+def set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """torch's ``_traverse.set_element``: nested dicts (lists where a key is an int), so that this
+    path and torch's own reader give the same structure, in the same order."""
+    node: Any = root
+    for prev, key in zip(path, path[1:], strict=False):
+        if isinstance(node, dict):
+            node = node.setdefault(prev, {} if isinstance(key, str) else [])
+        else:
+            node.extend([None] * (int(prev) + 1 - len(node)))
+            if node[prev] is None:
+                node[prev] = {} if isinstance(key, str) else []
+            node = node[prev]
+    if isinstance(path[-1], int):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    try:
+        node[path[-1]] = value
+    except PARSE_ERRORS as e:
+        raise NeedsTorch(f"planner_data path {list(path)} does not nest") from e

@@ -41,7 +41,7 @@ class _Helper:
                 done.release()
 
 
-def in_background(fn: Callable[..., int], *args: Any) -> Callable[[], int]:
+def in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     """Start ``fn(*args)`` on a helper thread; returns the function that waits for its result
     (and raises its exception). The wait never returns while ``fn`` may still run, so ``fn`` may
     read a buffer the caller releases right after.
@@ -60,7 +60,7 @@ def in_background(fn: Callable[..., int], *args: Any) -> Callable[[], int]:
     done.acquire()  # the helper releases it when the job ends
     helper.jobs.put((fn, args, box, done))
 
-    def wait() -> int:
+    def wait() -> Any:
         try:
             done.acquire()
         finally:  # a signal while waiting: the job still finishes with the caller's buffer first
@@ -70,7 +70,7 @@ def in_background(fn: Callable[..., int], *args: Any) -> Callable[[], int]:
             _idle.append(helper)
         if "error" in box:
             raise box["error"]
-        return int(box["value"])
+        return box["value"]
 
     return wait
 
