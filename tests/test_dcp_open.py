@@ -130,7 +130,7 @@ def test_chunks_found_ahead_by_a_helper_fail_when_the_writer_reaches_them(
     def pieces(src: Any, e: Any, seen: Any) -> Any:
         found_by[e.fqn] = threading.current_thread().name
         if damage == "split" and e.fqn == "b":
-            raise NeedsTorch("tensor b is split along dim 1")  # what _in_order raises for such chunks
+            raise NeedsTorch("tensor b is split along dim 1")  # what chunks_in_order raises for such chunks
         return real(src, e, seen)
 
     monkeypatch.setattr(dcpstream, "_pieces", pieces)

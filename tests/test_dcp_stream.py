@@ -53,6 +53,29 @@ def test_fsdp2_folder_converts_without_torch(fixtures_dir: Path, tmp_path: Path,
     _assert_same(_read(out), torch.load(fixtures_dir / "fsdp2_dcp.expected.pt", weights_only=True))
 
 
+def test_each_record_header_is_written_once_with_its_chunks_crc(
+    fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor's CRC-32 is known before its bytes are copied (its chunks' CRCs, combined), so
+    its local header is written with it: patching it in afterwards rewrote a page the disk may
+    already have written back, once per tensor."""
+    import os
+    import zipfile
+
+    patched: list[int] = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: patched.append(at) or real_pwrite(fd, data, at))
+    out = tmp_path / "single.pt"
+    ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp", out)
+    assert patched == []
+    with zipfile.ZipFile(out) as z, open(out, "rb") as f:
+        assert z.testzip() is None  # every record's bytes match the CRC-32 of its central header
+        for info in z.infolist():  # ... and of its local header
+            f.seek(info.header_offset + 14)
+            assert int.from_bytes(f.read(4), "little") == info.CRC, info.filename
+    _assert_same(_read(out), torch.load(fixtures_dir / "fsdp2_dcp.expected.pt", weights_only=True))
+
+
 def test_pieces_are_the_chunks_in_offset_order(fixtures_dir: Path) -> None:
     src = open_dcp(fixtures_dir / "fsdp2_dcp")
     try:

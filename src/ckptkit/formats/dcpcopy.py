@@ -42,7 +42,7 @@ def write_torch_zip(f: BinaryIO, src: DcpSource, obj: Any, progress: Progress | 
     prefix = w.start_torch_archive(dumps(convert(obj))[0])
     damage = src.damage()
     for i, t in enumerate(order):
-        w.add_written(f"{prefix}data/{i}", t.nbytes, lambda t=t: src.copy(t, f, damage, progress))  # type: ignore[misc]
+        w.add_written(f"{prefix}data/{i}", t.nbytes, lambda t=t: src.copy(t, f, damage, progress), crc=t.crc)  # type: ignore[misc]
     damage.raise_if_any()
     w.finish_torch_archive(prefix)
     w.close()

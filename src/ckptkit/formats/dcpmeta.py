@@ -9,6 +9,9 @@ pure-Python unpickler and inert stand-ins for DCP's own classes (:func:`.dcp.is_
 becomes the plain records below. A global outside those classes raises
 :class:`~.torchpickle.UnsupportedGlobal`; a structure this reader does not model raises
 :class:`~.rewrite.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
+Two rules on those records live here too: where a key goes in the nested state dict
+(:func:`set_element`, as torch's reader places it) and how a tensor's chunks tile it along dim 0
+(:func:`chunks_in_order`).
 
 Example:
     >>> meta = read_metadata("fixtures/fsdp2_dcp")  # doctest: +SKIP
@@ -239,3 +242,33 @@ def set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -
         node[path[-1]] = value
     except PARSE_ERRORS as e:
         raise NeedsTorch(f"planner_data path {list(path)} does not nest") from e
+
+
+def chunks_in_order(folder: Path, e: TensorEntry) -> list[Chunk]:
+    """The chunks with bytes, in offset order, after checking that they tile the tensor along dim 0."""
+    rank = len(e.shape)
+    for c in e.chunks:
+        if len(c.offsets) != rank or len(c.sizes) != rank:
+            raise CheckpointFormatError(f"{folder}: a chunk of tensor {e.fqn} has {len(c.sizes)} dims, the tensor {rank}")
+        split = [d for d in range(1, rank) if c.offsets[d] != 0 or c.sizes[d] != e.shape[d]]
+        if split:
+            raise NeedsTorch(f"tensor {e.fqn} is split along dim {split[0]}")
+    if rank == 0:
+        if len(e.chunks) != 1:
+            raise CheckpointFormatError(f"{folder}: scalar tensor {e.fqn} has {len(e.chunks)} chunks, expected 1")
+        return list(e.chunks)
+    chunks = sorted((c for c in e.chunks if 0 not in c.sizes), key=lambda c: c.offsets[0])  # chunks with bytes
+    at = 0
+    for c in chunks:
+        if c.offsets[0] != at:
+            what = f"overlap at row {c.offsets[0]}" if c.offsets[0] < at else f"leave rows {at}..{c.offsets[0] - 1} uncovered"
+            raise CheckpointFormatError(
+                f"{folder}: the chunks of tensor {e.fqn} (dim 0 of {e.shape[0]}) {what}; "
+                "each row must be in exactly one chunk"
+            )
+        at += c.sizes[0]
+    if at != e.shape[0] and 0 not in e.shape:
+        raise CheckpointFormatError(
+            f"{folder}: the chunks of tensor {e.fqn} cover rows 0..{at - 1} of {e.shape[0]}; each row must be in exactly one chunk"
+        )
+    return chunks

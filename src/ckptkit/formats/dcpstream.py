@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, NamedTuple
 from ..errors import CheckpointFormatError, summarize
 from . import torchpickle as lp
 from .crcmath import crc32_combine
-from .dcpmeta import BytesEntry, Chunk, Stored, TensorEntry, read_metadata, set_element
+from .dcpmeta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
 from .dtypes import BY_NAME
 from .fileio import Progress, copy_range, crc_of_range
 from .integrity import Check, Damage
@@ -78,8 +78,16 @@ class DcpTensor:
                 self._found = e
 
     @property
+    def crc(self) -> int:
+        """The CRC-32 its bytes have where each chunk's match the CRC-32 its zip records."""
+        crc = 0
+        for p in self.pieces:
+            crc = crc32_combine(crc, p.crc, p.length)
+        return crc
+
+    @property
     def nbytes(self) -> int:  # what the pieces add up to: each chunk was checked against .metadata
-        return _numel(self.shape) * BY_NAME[self.dtype].itemsize
+        return math.prod(self.shape) * BY_NAME[self.dtype].itemsize
 
 
 @dataclass
@@ -230,7 +238,7 @@ def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
 
 def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[Piece, ...]:
     pieces = []
-    for c in _in_order(src, e):
+    for c in chunks_in_order(src.folder, e):
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
         z, view = _zip(src, c.stored, f"tensor {e.fqn}: {what}")
         t = _chunk_tensor(src, z, e, c, what, seen)
@@ -261,40 +269,6 @@ def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: s
         raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'big-endian' if z.byteorder != 'little' else 'not contiguous'}")
     seen[(data, e.dtype, c.sizes, z.byteorder)] = t
     return t
-
-
-def _in_order(src: DcpSource, e: TensorEntry) -> list[Chunk]:
-    """The chunks with bytes, in offset order, after checking that they tile the tensor along dim 0."""
-    rank = len(e.shape)
-    for c in e.chunks:
-        if len(c.offsets) != rank or len(c.sizes) != rank:
-            raise CheckpointFormatError(f"{src.folder}: a chunk of tensor {e.fqn} has {len(c.sizes)} dims, the tensor {rank}")
-        split = [d for d in range(1, rank) if c.offsets[d] != 0 or c.sizes[d] != e.shape[d]]
-        if split:
-            raise NeedsTorch(f"tensor {e.fqn} is split along dim {split[0]}")
-    if rank == 0:
-        if len(e.chunks) != 1:
-            raise CheckpointFormatError(f"{src.folder}: scalar tensor {e.fqn} has {len(e.chunks)} chunks, expected 1")
-        return list(e.chunks)
-    chunks = sorted((c for c in e.chunks if _numel(c.sizes)), key=lambda c: c.offsets[0])
-    at = 0
-    for c in chunks:
-        if c.offsets[0] != at:
-            what = f"overlap at row {c.offsets[0]}" if c.offsets[0] < at else f"leave rows {at}..{c.offsets[0] - 1} uncovered"
-            raise CheckpointFormatError(
-                f"{src.folder}: the chunks of tensor {e.fqn} (dim 0 of {e.shape[0]}) {what}; "
-                "each row must be in exactly one chunk"
-            )
-        at += c.sizes[0]
-    if at != e.shape[0] and _numel(e.shape):
-        raise CheckpointFormatError(
-            f"{src.folder}: the chunks of tensor {e.fqn} cover rows 0..{at - 1} of {e.shape[0]}; each row must be in exactly one chunk"
-        )
-    return chunks
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
 
 
 def _value(src: DcpSource, e: BytesEntry) -> Any:

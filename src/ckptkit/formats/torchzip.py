@@ -235,19 +235,22 @@ class ZipWriter:
         """
         return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress))
 
-    def add_written(self, name: str, size: int, write: Callable[[], int]) -> int:
+    def add_written(self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None) -> int:
         """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
-        of a tensor copied from several files); the CRC is patched into the header afterwards."""
-        self._header(name.encode(), 0, size, size, zipfile.ZIP_STORED)
+        of a tensor copied from several files). The header gets ``crc`` where the caller knows what
+        the bytes' CRC should be (a DCP tensor's, from its chunks'), else it is patched in after;
+        so it is where the bytes turned out otherwise (the caller reports that damage)."""
+        self._header(name.encode(), crc or 0, size, size, zipfile.ZIP_STORED)
         start = self.f.tell()
-        crc = write()
+        got = write()
         name_b, _, csize, size_, method, offset = self.entries[-1]
-        self.entries[-1] = (name_b, crc, csize, size_, method, offset)
+        self.entries[-1] = (name_b, got, csize, size_, method, offset)
         self.f.flush()  # the header must be on the file before its CRC field is patched there
         if self.f.tell() - start != size:  # the header's sizes came first: they must be what was written
             raise CheckpointFormatError(f"record {name}: {self.f.tell() - start} bytes written, its header says {size}")
-        os.pwrite(self.f.fileno(), struct.pack("<I", crc), offset + 14)  # the local header's CRC-32 field
-        return crc
+        if got != crc:  # a write into a header already written back costs the disk a second write
+            os.pwrite(self.f.fileno(), struct.pack("<I", got), offset + 14)  # the local header's CRC-32 field
+        return got
 
     def start_torch_archive(self, pickled: bytes, prefix: str = "archive/") -> str:
         """torch's opening records: ``data.pkl`` and the small ones before the storages; returns
