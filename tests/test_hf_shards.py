@@ -174,6 +174,33 @@ def test_the_split_and_index_are_huggingface_hubs(tmp_path: Path, size: int | st
         assert back["head.weight"] is back["embed.weight"]  # re-tied from the index metadata
 
 
+def test_the_shards_are_made_durable_after_all_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fsync waits for the disk; syncing each shard before writing the next left the copy
+    waiting at every shard. Each file is still synced, before the folder is put in place."""
+    from ckptkit.formats import hfwrite
+
+    src = tmp_path / "ddp.pt"
+    ckptkit.write_checkpoint({f"module.{k}": v for k, v in hf_state_dict().items()}, src)
+    events: list[tuple[str, str]] = []
+
+    def open_(path: Path, mode: str) -> object:
+        events.append(("write", Path(path).name))
+        return open(path, mode)
+
+    def fsync_file(path: Path) -> None:
+        assert not (tmp_path / "out").exists()  # synced inside the temp folder, before it is renamed
+        events.append(("fsync", path.name))
+        real_fsync_file(path)
+
+    real_fsync_file = hfwrite.fsync_file
+    monkeypatch.setattr(hfwrite, "open", open_, raising=False)
+    monkeypatch.setattr(hfwrite, "fsync_file", fsync_file)
+    ckptkit.convert_checkpoint(src, tmp_path / "out", max_shard_size=300)
+    written = [name for kind, name in events if kind == "write"]
+    assert len(written) > 3 and sorted(written) == sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert events == [("write", n) for n in written] + [("fsync", n) for n in written]
+
+
 @pytest.mark.parametrize("dst", ["out/", "existing", "out"])
 def test_which_destinations_are_folders(tmp_path: Path, dst: str) -> None:
     (tmp_path / "existing").mkdir()

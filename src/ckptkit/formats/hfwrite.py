@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, BinaryIO
 from ..errors import summarize
 from . import dcpcopy
 from . import dcpstream as dcps
+from .atomic import fsync_file
 from .atomicdir import atomic_folder, check_folder_destination
 from .detect import HF_INDEXES
 from .fileio import Progress
@@ -46,19 +46,21 @@ def check_destination(src: Path, dest: Path, *, force: bool) -> None:
 
 def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object]) -> None:
     """Write ``written``'s shards (``write_shard(file, names, metadata)`` fills each) and its index
-    into a temp folder that becomes ``dest`` once every file is complete and durable."""
+    into a temp folder that becomes ``dest`` once every file is complete and durable.
+
+    The files are fsynced once all are written, not each before the next is begun: an fsync
+    waits for its file's last bytes to reach the disk, time the next shard's copy can use
+    (BENCHMARKS.md)."""
     with atomic_folder(dest) as tmp:
         one = len(written.files) == 1
         for file, names in written.files.items():
             with open(tmp / file, "xb") as f:
                 write_shard(f, names, {"format": "pt", **(written.tied if one else {})})
-                f.flush()
-                os.fsync(f.fileno())
         if not one:
             with open(tmp / HF_INDEXES[0], "xb") as f:
                 f.write(index_bytes(written.files, written.total_size, written.tied))
-                f.flush()
-                os.fsync(f.fileno())
+        for file in [*written.files, *([] if one else [HF_INDEXES[0]])]:
+            fsync_file(tmp / file)
 
 
 def plan(entries: list[tuple[str, Any, int, Any, bool]], *, max_shard_size: int) -> Written:
