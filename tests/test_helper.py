@@ -4,11 +4,13 @@ with the caller's buffer when a signal stops the wait."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -91,3 +93,28 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_idle_helper_keeps_nothing_of_its_last_job() -> None:
+    """A DCP convert hands its source (open files) to a helper; an idle helper held it until its
+    next job."""
+
+    class Arg:
+        pass
+
+    arg = Arg()
+    ref = weakref.ref(arg)
+    assert in_background(lambda a: type(a).__name__, arg)() == "Arg"
+    del arg
+    gc.collect()
+    assert ref() is None
+
+
+def test_waiting_twice_gives_the_same_outcome_and_hands_the_helper_back_once() -> None:
+    ok, bad = in_background(sum, [5]), in_background(divmod, 1, 0)
+    assert (ok(), ok()) == (5, 5)  # the second wait blocked for ever before
+    for _ in range(2):
+        with pytest.raises(ZeroDivisionError):
+            bad()
+    results = [in_background(lambda x: (time.sleep(0.01), x)[1], i) for i in range(3)]
+    assert [r() for r in results] == [0, 1, 2]  # each on its own helper, none handed out twice

@@ -174,14 +174,18 @@ def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapp
     # unmaps its step, so the page-table work of the mapping stays off this thread.
     crc = in_background(_crc_of_mapped, inp, at, step, value)
     start = time.perf_counter()
-    side = None if aside is None else in_background(aside, start + _ASIDE_SHARE * step / _rate[0])
-    try:
+    side = None
+    try:  # both jobs are waited for, whatever fails: the aside reads files the caller closes next
+        if aside is not None:
+            side = in_background(aside, start + _ASIDE_SHARE * step / _rate[0])
         n = _copy_file_range(inp, out, step, at)
     finally:
         took = time.perf_counter() - start
-        stepped = crc()
-        if side is not None:
-            side()
+        try:
+            stepped = crc()
+        finally:
+            if side is not None:
+                side()
     if n > 0 and took > 0:
         _rate[0] = n / took
     if n == step:

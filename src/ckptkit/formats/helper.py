@@ -13,7 +13,6 @@ not run there).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -38,13 +37,20 @@ class _Helper:
                 box["error"] = e
             finally:
                 box["end"] = True
-                done.release()
+                release = done.release
+                # An idle helper must not keep its last job's arguments (a source's open
+                # files, a buffer) alive: drop them before the caller may go on.
+                del fn, args, box, done
+                release()
 
 
 def in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     """Start ``fn(*args)`` on a helper thread; returns the function that waits for its result
-    (and raises its exception). The wait never returns while ``fn`` may still run, so ``fn`` may
-    read a buffer the caller releases right after.
+    (and raises its exception); waiting again gives the same outcome. A signal that stops the
+    wait (Ctrl-C) is raised only once ``fn`` has ended, so ``fn`` may read a buffer the caller
+    releases right after. (Python cannot promise that against a second signal landing between
+    two of the wait's own steps; releasing a buffer the job still reads then raises BufferError,
+    it does not free it.)
 
     Example:
         >>> wait = in_background(sum, [1, 2, 3])
@@ -61,18 +67,30 @@ def in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     helper.jobs.put((fn, args, box, done))
 
     def wait() -> Any:
-        try:
-            done.acquire()
-        finally:  # a signal while waiting: the job still finishes with the caller's buffer first
-            while "end" not in box:
-                with contextlib.suppress(BaseException):
-                    done.acquire(timeout=0.1)
-            _idle.append(helper)
+        if "collected" not in box:
+            try:
+                done.acquire()
+            finally:  # a signal while waiting: the job still finishes with the caller's buffer first
+                _settle(box, done)
+                if "collected" not in box:  # handed back once, or two jobs could share it
+                    box["collected"] = True
+                    _idle.append(helper)
         if "error" in box:
             raise box["error"]
         return box["value"]
 
     return wait
+
+
+def _settle(box: dict[str, Any], done: threading.Lock) -> None:
+    """Wait until the job in ``box`` has ended, whatever signals land meanwhile."""
+    while True:
+        try:
+            while "end" not in box:
+                done.acquire(timeout=0.1)
+            return
+        except BaseException:  # noqa: S112 - the first signal is already on its way to the caller
+            continue
 
 
 if hasattr(os, "register_at_fork"):  # a forked child has none of its parent's threads
