@@ -13,6 +13,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -174,31 +175,43 @@ def test_the_split_and_index_are_huggingface_hubs(tmp_path: Path, size: int | st
         assert back["head.weight"] is back["embed.weight"]  # re-tied from the index metadata
 
 
-def test_the_shards_are_made_durable_after_all_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("open_at_most", [64, 2])
+def test_the_shards_are_made_durable_after_all_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, open_at_most: int) -> None:
     """An fsync waits for the disk; syncing each shard before writing the next left the copy
-    waiting at every shard. Each file is still synced, before the folder is put in place."""
+    waiting at every shard. Each file is still synced, before the folder is put in place, and
+    through the descriptor that wrote it: a reopened one may miss a failed writeback."""
     from ckptkit.formats import hfwrite
 
     src = tmp_path / "ddp.pt"
     ckptkit.write_checkpoint({f"module.{k}": v for k, v in hf_state_dict().items()}, src)
     events: list[tuple[str, str]] = []
+    writers: list[Any] = []
 
     def open_(path: Path, mode: str) -> object:
         events.append(("write", Path(path).name))
-        return open(path, mode)
+        writers.append(open(path, mode))
+        return writers[-1]
 
-    def fsync_file(path: Path) -> None:
-        assert not (tmp_path / "out").exists()  # synced inside the temp folder, before it is renamed
-        events.append(("fsync", path.name))
-        real_fsync_file(path)
+    def fsync(fd: int) -> None:
+        writer = [Path(f.name).name for f in writers if not f.closed and f.fileno() == fd]
+        if writer:
+            assert not (tmp_path / "out").exists()  # synced inside the temp folder, before it is renamed
+            events.append(("fsync", writer[0]))
+        real_fsync(fd)
 
-    real_fsync_file = hfwrite.fsync_file
+    real_fsync = os.fsync
     monkeypatch.setattr(hfwrite, "open", open_, raising=False)
-    monkeypatch.setattr(hfwrite, "fsync_file", fsync_file)
+    monkeypatch.setattr(hfwrite, "_OPEN_AT_MOST", open_at_most)
+    monkeypatch.setattr(os, "fsync", fsync)
     ckptkit.convert_checkpoint(src, tmp_path / "out", max_shard_size=300)
     written = [name for kind, name in events if kind == "write"]
     assert len(written) > 3 and sorted(written) == sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert events == [("write", n) for n in written] + [("fsync", n) for n in written]
+    expected: list[tuple[str, str]] = []
+    for i, name in enumerate(written):  # past open_at_most files open, the oldest is synced (and closed)
+        expected += [("write", name)] + ([("fsync", written[i - open_at_most])] if i >= open_at_most else [])
+    expected += [("fsync", n) for n in written[max(0, len(written) - open_at_most) :]]
+    assert events == expected
+    assert all(f.closed for f in writers)
 
 
 @pytest.mark.parametrize("dst", ["out/", "existing", "out"])

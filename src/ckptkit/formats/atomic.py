@@ -66,16 +66,6 @@ def remove_stale_temps(dest: Path) -> list[Path]:
     return removed
 
 
-def fsync_file(path: Path) -> None:
-    """fsync a file written and closed earlier: fsync reaches the file's data through any
-    descriptor of it, so a writer of many files can sync them after writing them all."""
-    fd = os.open(path, os.O_RDWR)  # Windows' fsync needs a descriptor open for writing
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(folder: Path) -> None:
     """fsync a folder so a rename inside it is durable (a no-op where folders cannot be opened)."""
     try:

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +23,13 @@ from typing import Any, BinaryIO
 from ..errors import summarize
 from . import dcpcopy
 from . import dcpstream as dcps
-from .atomic import fsync_file
 from .atomicdir import atomic_folder, check_folder_destination
 from .detect import HF_INDEXES
 from .fileio import Progress
 from .hfshards import HF_FILE, drop_tied, index_bytes, split
 from .rewrite import NeedsTorch, Source, locate, write_safetensors
+
+_OPEN_AT_MOST = 64  # shard files kept open for their fsync at the end (well under any descriptor limit)
 
 
 @dataclass
@@ -50,17 +53,27 @@ def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, 
 
     The files are fsynced once all are written, not each before the next is begun: an fsync
     waits for its file's last bytes to reach the disk, time the next shard's copy can use
-    (BENCHMARKS.md)."""
-    with atomic_folder(dest) as tmp:
-        one = len(written.files) == 1
-        for file, names in written.files.items():
-            with open(tmp / file, "xb") as f:
-                write_shard(f, names, {"format": "pt", **(written.tied if one else {})})
-        if not one:
-            with open(tmp / HF_INDEXES[0], "xb") as f:
-                f.write(index_bytes(written.files, written.total_size, written.tied))
+    (BENCHMARKS.md). Each is fsynced through the descriptor that wrote it, which is sure to
+    hear of a failed writeback (a reopened one may not, if the file left memory between); past
+    ``_OPEN_AT_MOST`` files the oldest is synced and closed early."""
+    one = len(written.files) == 1
+    meta = {"format": "pt", **(written.tied if one else {})}
+    with atomic_folder(dest) as tmp, contextlib.ExitStack() as files:  # files close before the folder's rename
+        unsynced: list[BinaryIO] = []
         for file in [*written.files, *([] if one else [HF_INDEXES[0]])]:
-            fsync_file(tmp / file)
+            f = files.enter_context(open(tmp / file, "xb"))
+            if file in written.files:
+                write_shard(f, written.files[file], meta)
+            else:
+                f.write(index_bytes(written.files, written.total_size, written.tied))
+            f.flush()
+            unsynced.append(f)
+            if len(unsynced) > _OPEN_AT_MOST:
+                oldest = unsynced.pop(0)
+                os.fsync(oldest.fileno())
+                oldest.close()
+        for synced in unsynced:
+            os.fsync(synced.fileno())
 
 
 def plan(entries: list[tuple[str, Any, int, Any, bool]], *, max_shard_size: int) -> Written:
