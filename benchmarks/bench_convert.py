@@ -23,9 +23,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import ckptkit  # torch-free: the package's own module, to find its files
+
+T = TypeVar("T")
 
 NAIVE_PT = """
 import sys, torch
@@ -138,6 +142,21 @@ def spread(ts: list[float]) -> str:
     return f"{min(ts):.3f} / {statistics.median(ts):.3f} / {max(ts):.3f}"
 
 
+def rounds(cases: list[T], runs: int) -> Iterator[T]:
+    """Every case once per round, the order reversed every other round: the command before a
+    timed one leaves the disk busy writing back, so a fixed order would always slow the same one."""
+    for r in range(runs):
+        yield from (cases if r % 2 == 0 else cases[::-1])
+
+
+def paired(name: str, ts: list[float], base_name: str, base: list[float]) -> str:
+    """Run-by-run ratios of ``ts`` to ``base`` (run i of each in the same round), which this
+    disk's minute-to-minute drift hits alike: the comparison medians of far-apart runs blur."""
+    r = [t / b for t, b in zip(ts, base, strict=True)]
+    return (f"{name} / {base_name}, run by run: median {statistics.median(r):.3f} "
+            f"(min {min(r):.3f}, max {max(r):.3f}); faster in {sum(x < 1 for x in r)} of {len(r)} rounds")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, runs=5, only_memory="only the ckptkit converts (for big --gib)")
@@ -171,17 +190,16 @@ def main() -> int:
         inputs = {"ddp.pt": pt, "ddp.safetensors": st}
         times: dict[str, list[float]] = {c[0]: [] for c in cases}
         mems: dict[str, int] = {c[0]: 0 for c in cases}
-        for _ in range(args.runs):  # interleaved: every command once per round
-            for name, cmd, out_path, _tag in cases:
-                if out_path and Path(out_path).exists():
-                    Path(out_path).unlink()
-                os.sync()  # no dirty pages left over from the previous run to slow this one
-                for label, path in inputs.items():  # warm: a daemon here evicts idle page cache
-                    if label in name:
-                        warm(path)
-                t, m = run(cmd)
-                times[name].append(t)
-                mems[name] = max(mems[name], m)
+        for name, cmd, out_path, _tag in rounds(cases, args.runs):
+            if out_path and Path(out_path).exists():
+                Path(out_path).unlink()
+            os.sync()  # no dirty pages left over from the previous run to slow this one
+            for label, path in inputs.items():  # warm: a daemon here evicts idle page cache
+                if label in name:
+                    warm(path)
+            t, m = run(cmd)
+            times[name].append(t)
+            mems[name] = max(mems[name], m)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         tags = {c[3]: c[0] for c in cases if c[3]}
         durable = {"base_pt": "cp ddp.pt && sync", "base_st": "cp ddp.safetensors && sync"}

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_convert import add_common_args, compile_ckptkit, gpt_dims, run, spread, warm  # noqa: E402
+from benchmarks.bench_convert import add_common_args, compile_ckptkit, gpt_dims, paired, rounds, run, spread, warm  # noqa: E402
 
 NAIVE = """
 import sys
@@ -132,17 +132,16 @@ def main() -> int:
             cases.append(("torch dcp_to_torch_save", [sys.executable, "-c", NAIVE, str(src), str(out)], out, dcp_in, "dcp"))
         times: dict[str, list[float]] = {c[0]: [] for c in cases}
         mems: dict[str, int] = dict.fromkeys(times, 0)
-        for _ in range(1 if args.only_memory else args.runs):
-            for name, cmd, target, inputs, _ in cases:  # interleaved: one of each per round
-                _clear(target)
-                os.sync()  # no dirty pages left over from the previous command to slow this one
-                for p in inputs:  # re-read untimed right before the run: a daemon here evicts idle page cache
-                    warm(p)
-                t, m = run(cmd)
-                if args.pair:
-                    print(f"run {len(times[name]) + 1}: {name}: {t:.3f} s", flush=True)
-                times[name].append(t)
-                mems[name] = max(mems[name], m)
+        for name, cmd, target, inputs, _ in rounds(cases, 1 if args.only_memory else args.runs):
+            _clear(target)
+            os.sync()  # no dirty pages left over from the previous command to slow this one
+            for p in inputs:  # re-read untimed right before the run: a daemon here evicts idle page cache
+                warm(p)
+            t, m = run(cmd)
+            if args.pair:
+                print(f"run {len(times[name]) + 1}: {name}: {t:.3f} s", flush=True)
+            times[name].append(t)
+            mems[name] = max(mems[name], m)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         base = {"dcp": ("cp -r ckpt.dcp", "cp -r ckpt.dcp && sync"), "pt": ("cp single.pt", "cp single.pt && sync")}
         print(f"\nDCP folder: {size / 2**30:.2f} GiB in {len(dcp_in)} files ({size:,} bytes), saved by FSDP2 on 2 ranks; "
@@ -153,6 +152,9 @@ def main() -> int:
             ts = times[name]
             xs = [f"{med[name] / med[b]:.2f}" if kind in base and b in med else "" for b in base.get(kind, ("", ""))]
             print(f"| {name} | {spread(ts)} | {xs[0]} | {xs[1]} | {mems[name]} |")
+        pt_name, dcp_name = "ckptkit convert single.pt out.pt (the same weights)", "ckptkit convert ckpt.dcp single.pt"
+        if pt_name in times and dcp_name in times:
+            print("\n" + paired(dcp_name, times[dcp_name], pt_name, times[pt_name]))
         subprocess.run(["df", "-h", str(scratch)], check=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

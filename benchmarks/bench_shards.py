@@ -4,9 +4,11 @@
     python benchmarks/bench_shards.py --gib 4 --runs 1 --only-memory
 
 The checkpoint, the process timing, the RssAnon sampling and the re-read of the input before
-each run are bench_convert's (imported, not copied); the single-file convert runs alongside. Each run times every command once, in turn, so drift on a shared machine hits them
-alike; the table gives min/median/max wall seconds. ckptkit fsyncs each shard and the folder
-(durable); ``cp`` does not, hence also ``cp && sync``.
+each run are bench_convert's (imported, not copied); the single-file convert runs alongside.
+Each round times every command once, in turn, the order reversed every other round, so drift
+on a shared machine hits them alike; the two converts are also compared round by round. The
+table gives min/median/max wall seconds. ckptkit fsyncs each shard and the folder (durable);
+``cp`` does not, hence also ``cp && sync``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_convert import add_common_args, compile_ckptkit, make_checkpoint, run, spread, warm  # noqa: E402
+from benchmarks.bench_convert import (  # noqa: E402
+    add_common_args,
+    compile_ckptkit,
+    make_checkpoint,
+    paired,
+    rounds,
+    run,
+    spread,
+    warm,
+)
 
 
 def main() -> int:
@@ -44,14 +55,13 @@ def main() -> int:
         if args.only_memory:
             cases = cases[3:]
         results: dict[str, list[tuple[float, int]]] = {name: [] for name, _ in cases}
-        for _ in range(args.runs):
-            for name, cmd in cases:
-                shutil.rmtree(out, ignore_errors=True)
-                copy.unlink(missing_ok=True)
-                single.unlink(missing_ok=True)
-                os.sync()  # no dirty pages left over from the previous command to slow this one
-                warm(pt)  # re-read untimed right before each run: a daemon here evicts idle page cache
-                results[name].append(run(cmd))
+        for name, cmd in rounds(cases, args.runs):
+            shutil.rmtree(out, ignore_errors=True)
+            copy.unlink(missing_ok=True)
+            single.unlink(missing_ok=True)
+            os.sync()  # no dirty pages left over from the previous command to slow this one
+            warm(pt)  # re-read untimed right before each run: a daemon here evicts idle page cache
+            results[name].append(run(cmd))
         shards = sorted(p.name for p in out.iterdir()) if out.exists() else []
         size = pt.stat().st_size
         print(f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes); {args.runs} interleaved run(s); ckptkit wrote {len(shards)} files\n")
@@ -63,6 +73,9 @@ def main() -> int:
             times = [t for t, _ in rs]
             x, xs = (f"{med[name] / cp:.2f}" if cp else ""), (f"{med[name] / cps:.2f}" if cps else "")
             print(f"| {name} | {spread(times)} | {x} | {xs} | {max(m for _, m in rs)} |")
+        if not args.only_memory:
+            (single_name, single_runs), (shards_name, shards_runs) = list(results.items())[2:]
+            print("\n" + paired(shards_name, [t for t, _ in shards_runs], single_name, [t for t, _ in single_runs]))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
