@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_convert import (  # noqa: E402
+from benchmarks.bench_convert import (
     add_common_args,
     compile_ckptkit,
     make_checkpoint,

@@ -72,9 +72,8 @@ def in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
                 done.acquire()
             finally:  # a signal while waiting: the job still finishes with the caller's buffer first
                 _settle(box, done)
-                if "collected" not in box:  # handed back once, or two jobs could share it
-                    box["collected"] = True
-                    _idle.append(helper)
+                box["collected"] = True  # handed back once, or two jobs could share it
+                _idle.append(helper)
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -89,7 +88,7 @@ def _settle(box: dict[str, Any], done: threading.Lock) -> None:
             while "end" not in box:
                 done.acquire(timeout=0.1)
             return
-        except BaseException:  # noqa: S112 - the first signal is already on its way to the caller
+        except BaseException:  # the first signal is already on its way to the caller
             continue
 
 
