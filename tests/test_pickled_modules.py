@@ -32,9 +32,9 @@ from ckptkit.prefix import rewrite_prefixes
 from tests.torchfree import limited_memory, run_torch_free
 
 PICKLED = Path(__file__).resolve().parent.parent / "fixtures" / "pickled"
-NAMES = ["plain", "dp", "ddp", "compiled", "dp_of_compiled", "gone"]
+NAMES = ["plain", "dp", "ddp", "compiled", "compiled_ran", "dp_of_compiled", "gone"]
 DESCRIPTIONS = {"plain": "ToyCNN", "dp": "DataParallel(ToyCNN)", "ddp": "DistributedDataParallel(ToyCNN)",
-                "compiled": "OptimizedModule(ToyCNN)", "dp_of_compiled": "DataParallel(OptimizedModule(ToyCNN))",
+                "compiled": "OptimizedModule(ToyCNN)", "compiled_ran": "OptimizedModule(ToyCNN)", "dp_of_compiled": "DataParallel(OptimizedModule(ToyCNN))",
                 "gone": "GoneNet"}  # fmt: skip
 
 
@@ -308,16 +308,20 @@ def test_state_dict_hooks_need_trust_and_then_run_in_torch(tmp_path: Path) -> No
     assert_exactly(got, model.state_dict())
 
 
-@pytest.mark.parametrize("name", ["plain", "ddp"])
+@pytest.mark.parametrize("name", ["plain", "ddp", "compiled_ran"])
 def test_what_failed_before_now_converts(name: str, tmp_path: Path) -> None:
     # Before: refused without --trust; with it "holds a ToyCNN, not a state dict", and for DDP
-    # "Default process group has not been initialized" told as a damaged file.
+    # "Default process group has not been initialized" told as a damaged file. A compiled model
+    # that had run was refused for torch._tensor._rebuild_from_type_v2 (its buffers' pickling),
+    # and with --trust failed to import its class. A trusted file's note said "loaded with
+    # torch" beside "read without running the pickle".
     for extra in ([], ["--trust"]):
         out = tmp_path / f"{name}{len(extra)}.pt"
         code, _, err = run("convert", PICKLED / f"{name}.pt", out, *extra)
         assert code == 0, err
         assert "damaged" not in err and "not a state dict" not in err
         assert f"holds a pickled {DESCRIPTIONS[name]} module; its state_dict() was read without running the pickle" in err
+        assert "loaded with torch" not in err
         assert_exactly(torch.load(out, weights_only=True), plain_keys(expected(name)))
 
 

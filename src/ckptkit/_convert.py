@@ -195,6 +195,8 @@ def convert_checkpoint(
     report.fast, report.fallback_reason = False, reason
     if trust and in_fmt == ZIP:  # read by the same inert walk (_torchload), if it is a whole module
         report.pickled_module = pickled_module_name(source)
+        if report.pickled_module:  # nothing of the pickle was run: only its tensors went through torch
+            report.fallback_reason = "trusted file: its tensors were read through torch"
     return report
 
 

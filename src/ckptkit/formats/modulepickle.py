@@ -11,8 +11,10 @@ runs over those records: a module's parameters, then its persistent buffers, the
 keys come out as their ``state_dict()`` names them. DDP's ``__setstate__`` (which needs a
 process group) is never called.
 
-What a module pickle may call (``REDUCE``) is closed: torch's tensor and parameter rebuilders,
-``OrderedDict``, ``set``, ``torch.device``... (:func:`torchpickle.allowed_global`), the
+What a module pickle may call (``REDUCE``) is closed: torch's tensor and parameter rebuilders
+(also as ``_rebuild_from_type_v2`` of a plain ``torch.Tensor`` with attributes, as a buffer
+is once torch.compile has run), ``OrderedDict``, ``set``, ``torch.device``...
+(:func:`torchpickle.allowed_global`), the
 torch.compile wrapper and its context (:data:`BUILT_BY_CALL`), ``getattr`` of a stand-in (a bound
 method in that context). Any other call, or a global used as a value rather than as a class to
 build (a hook function, ``os.system`` stored away; torch's own names excepted, as an activation
@@ -46,6 +48,8 @@ HARMLESS_VALUES = frozenset({"contextlib.nullcontext"})
 # Wrapper classes and the attribute holding the module they wrap (for the description only).
 WRAPPERS = {"DistributedDataParallel": "module", "DataParallel": "module", "OptimizedModule": "_orig_mod"}
 _RECONSTRUCTOR, _OBJECT, _GETATTR = "copyreg._reconstructor", "builtins.object", "builtins.getattr"
+# torch.Tensor.__reduce_ex__ of a tensor with a __dict__: _rebuild_from_type_v2(builder, torch.Tensor, args, attributes)
+_FROM_TYPE, _TENSOR = "torch._tensor._rebuild_from_type_v2", "torch.Tensor"
 
 
 class NotAModule(Exception):
@@ -151,6 +155,11 @@ class ModuleUnpickler(tp._Unpickler):
             if name == _COMPILED and args:  # OptimizedModule(mod, ctx).__init__ registers mod as _orig_mod
                 inst.state = {"_parameters": {}, "_buffers": {}, "_modules": {"_orig_mod": args[0]}}
             return inst
+        if name == _FROM_TYPE and len(args) == 4 and self._names.get(id(args[1])) == _TENSOR and isinstance(args[2], tuple):
+            # A plain tensor with Python attributes: a buffer torch.compile has run on carries
+            # _dynamo_static_input_type. state_dict() detaches it, attributes dropped; so here.
+            self._used.update((name, _TENSOR))
+            return self._call(args[0], args[2])
         if name == _GETATTR and len(args) == 2 and isinstance(args[0], Instance) and isinstance(args[1], str):
             self._used.add(name)
             return tp.Call(func, args)
