@@ -50,7 +50,27 @@ def test_several_fitting_parts_are_an_error_that_names_them_and_the_fix() -> Non
         ckptkit.load_for_rank(DISTIL, model=TinyNet())
     msg = str(e.value)
     assert "2 parts of the checkpoint fit TinyNet by name and shape ('teacher.', 'student.')" in msg
-    assert "key='student.'" in msg and "--strip student." in msg
+    assert "key='student.'" in msg and "--key student. --model-only" in msg
+    assert "--strip" not in msg  # it renames in place, keeping the teacher: the file would not load either
+
+
+def test_the_top_level_and_an_ema_copy_beside_it_are_two_fitting_parts(tmp_path: Path) -> None:
+    # Before: "9 unexpected key(s) (ema.fc1.weight ...). Fix the model definition, or pass
+    # strict=False", naming neither part nor key=.
+    torch.manual_seed(0)
+    live, ema = TinyNet().state_dict(), TinyNet().state_dict()
+    torch.save({**live, **{f"ema.{k}": v for k, v in ema.items()}}, tmp_path / "ema.pt")
+    with pytest.raises(StateDictMismatchError) as e:
+        ckptkit.load_for_rank(tmp_path / "ema.pt", model=TinyNet())
+    msg = str(e.value)
+    assert "2 parts of the checkpoint fit TinyNet by name and shape (the top level, 'ema.')" in msg
+    assert "key='ema.'" in msg and "--key ema. --model-only" in msg and "strict=False for the top level alone" in msg
+    for key, want in ((None, live), ("ema.", ema)):
+        net = TinyNet()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said explicitly: no note
+            ckptkit.load_for_rank(tmp_path / "ema.pt", model=net, key=key, strict=key is not None)
+        _assert_equal(net, want)
 
 
 @pytest.mark.parametrize("key", ["student.", "state_dict/student.", "teacher."])

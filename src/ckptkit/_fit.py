@@ -113,17 +113,19 @@ def fit_to_model(
     adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
     target = model.state_dict()
     found = check_fit(adapted, target)
-    if found[0] and found[1]:  # keys missing and others unexpected: the model may sit under a prefix
+    if found[1]:  # unexpected keys: the model may sit under a prefix, or beside a copy of itself
         fits = fitting_prefixes(state_dict, target, wrappers=wrappers)
         name = type(unwrap_model(model)).__name__
-        if len(fits) > 1:
+        top = [] if found[0] or found[2] else ["the top level"]  # the top level fits too: an EMA copy beside it
+        if len(fits) + len(top) > 1 and (strict or not top):
+            pick = f"key={fits[-1]!r} (ckptkit convert: --key {fits[-1]} --model-only writes that part alone)"
             raise StateDictMismatchError(
-                f"{source}: {len(fits)} parts of the checkpoint fit {name} by name and shape "
-                f"({', '.join(map(repr, fits))}); say which with key={fits[-1]!r} "
-                f"(ckptkit convert: --key {fits[-1]} --model-only, or --strip {fits[-1]})",
+                f"{source}: {len(fits) + len(top)} parts of the checkpoint fit {name} by name and shape "
+                f"({', '.join(top + [repr(f) for f in fits])}); say which with {pick}"
+                + (", or strict=False for the top level alone" if top else ""),
                 missing=found[0], unexpected=found[1], mismatched=found[2],
             )  # fmt: skip
-        if fits:
+        if fits and not top:
             adapted = adapt_state_dict(select_prefix(state_dict, fits[0]), model, wrappers=wrappers)
             found = check_fit(adapted, target)
             warnings.warn(
