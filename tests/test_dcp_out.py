@@ -143,3 +143,20 @@ def test_cli_format_dcp(fixtures_dir: Path, tmp_path: Path) -> None:
     plain = torch.load(fixtures_dir / "plain.pt", weights_only=True)
     got = torch.load(tmp_path / "o.pt", weights_only=True)
     assert list(got) == list(plain) and all(torch.equal(got[k], v) for k, v in plain.items())
+
+
+@pytest.mark.parametrize("cli", [False, True])
+def test_a_shard_size_with_dcp_output_is_refused_in_the_callers_spelling(fixtures_dir: Path, tmp_path: Path, cli: bool) -> None:
+    # Before, the command line was told "max_shard_size is for Hugging Face shards".
+    if cli:
+        from click.testing import CliRunner
+
+        from ckptkit.cli import main
+
+        result = CliRunner().invoke(main, ["convert", str(fixtures_dir / "ddp.pt"), str(tmp_path / "o.dcp"), "--format", "dcp", "--max-shard-size", "1KB"])
+        assert result.exit_code == 2 and "max_shard_size" not in result.stderr and "format=" not in result.stderr
+        assert "--max-shard-size is for Hugging Face shards; --format dcp writes one DCP folder, so leave --max-shard-size out" in result.stderr
+    else:
+        with pytest.raises(ArgumentError, match=r"max_shard_size is for Hugging Face shards; format=\"dcp\" writes one DCP folder"):
+            ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "o.dcp", format="dcp", max_shard_size="1KB")
+    assert not (tmp_path / "o.dcp").exists()

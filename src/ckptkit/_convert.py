@@ -144,7 +144,8 @@ def convert_checkpoint(
     if format not in (None, DCP):
         raise ArgumentError(f"format must be 'dcp' or None (the format DST's suffix names), not {format!r}")
     if format == DCP and max_shard_size is not None:
-        raise ArgumentError(f"max_shard_size is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave it out")
+        shard = spell("max_shard_size", "--max-shard-size")
+        raise ArgumentError(f"{shard} is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave {shard} out")
     folder = format is None and (max_shard_size is not None or os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir())
     limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
     if folder:
