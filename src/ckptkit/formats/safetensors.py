@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 from .dtypes import BY_SAFETENSORS
+from .fileio import PAGE, PAGE_FROM
 
 DTYPE_SIZES: dict[str, int] = {code: d.itemsize for code, d in BY_SAFETENSORS.items()}
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
@@ -36,22 +37,38 @@ def crc_metadata(names: Iterable[str], crcs: Mapping[str, int] | None = None) ->
 
 
 def write_with_crcs(
-    f: BinaryIO, entries: list[tuple[str, str, list[int], int]], meta: dict[str, str], write_data: Any
+    f: BinaryIO,
+    entries: list[tuple[str, str, list[int], int]],
+    meta: dict[str, str],
+    write_data: Any,
+    *,
+    known: Mapping[str, int] | None = None,
+    data_at: int | None = None,
 ) -> None:
-    """Write header + data, then patch the header's CRC placeholders in place.
+    """Write header + data; the header's CRCs are patched in place after the data where they
+    were not all ``known`` before it.
 
     ``write_data(crcs)`` writes every tensor's bytes in ``entries`` order and fills
-    ``crcs[name]``. The placeholders have the same width as the CRCs, so the header's length
-    (and every data offset) is unchanged by the patch.
+    ``crcs[name]``. ``known``: CRC-32s recorded by the source, which the copy checks its bytes
+    against; when every tensor has one, the header is written once, final, instead of with
+    placeholders rewritten after the data (a page the disk may already be writing back).
+    Placeholders have the same width as CRCs, so a patch leaves every offset as it was.
+    ``data_at``: see :func:`page_residue`.
     """
     names = [e[0] for e in entries]
-    meta = {**meta, CRC_KEY: crc_metadata(names)}
     start = f.tell()
-    first = header_bytes(entries, meta)
+    at = None if data_at is None else (data_at - start) % PAGE
+
+    def header(crcs: Mapping[str, int] | None) -> bytes:
+        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(names, crcs)}, data_at=at)
+
+    first = header(known if known is not None and all(n in known for n in names) else None)
     f.write(first)
     crcs: dict[str, int] = {}
     write_data(crcs)
-    final = header_bytes(entries, {**meta, CRC_KEY: crc_metadata(names, crcs)})
+    final = header(crcs)
+    if final == first:
+        return
     if len(final) != len(first):  # cannot happen: same keys, same widths
         raise CheckpointFormatError("internal error: safetensors header changed length while patching CRCs")
     end = f.tell()
@@ -60,7 +77,30 @@ def write_with_crcs(
     f.seek(end)
 
 
-def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None) -> bytes:
+def page_residue(spans: Iterable[tuple[int, int, int]]) -> int | None:
+    """Where data should start, modulo the page size, for ``(offset in the data section, source
+    offset, length)`` copies: the residue under which the most bytes land at the same offset
+    within a page as in their source (None when no span is long enough to matter).
+
+    Safetensors keeps tensors back to back, so only the start of the data, moved by the
+    header's padding, can be chosen (why it matters: :func:`.fileio.page_pad`). Residues stay
+    multiples of 8, as safetensors' own writer keeps data 8-aligned.
+
+    Example:
+        >>> page_residue([(0, 4096 + 64, 1 << 20), (1 << 20, 9000, 100)])
+        64
+    """
+    weight: dict[int, int] = {}
+    for rel, src, length in spans:
+        r = (src - rel) % PAGE
+        if r % 8 == 0 and length >= PAGE_FROM:
+            weight[r] = weight.get(r, 0) + length
+    return max(weight, key=lambda r: weight[r]) if weight else None
+
+
+def header_bytes(
+    entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None, *, data_at: int | None = None
+) -> bytes:
     """Length prefix + JSON header for ``(name, dtype, shape, nbytes)`` entries laid out in order."""
     header: dict[str, Any] = {}
     if metadata:
@@ -69,13 +109,14 @@ def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: M
     for name, dtype, shape, nbytes in entries:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    return encode_header(header)
+    return encode_header(header, data_at=data_at)
 
 
-def encode_header(header: Mapping[str, Any]) -> bytes:
-    """Length prefix + compact JSON, space-padded so tensor data starts 8-byte aligned."""
+def encode_header(header: Mapping[str, Any], *, data_at: int | None = None) -> bytes:
+    """Length prefix + compact JSON, space-padded so tensor data starts 8-byte aligned, or, with
+    ``data_at`` (a multiple of 8), at that offset modulo :data:`PAGE` (up to a page of spaces)."""
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
+    raw += b" " * (-(8 + len(raw)) % 8 if data_at is None else (data_at - 8 - len(raw)) % PAGE)
     return struct.pack("<Q", len(raw)) + raw
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
-from .fileio import Progress, copy_range, crc32, write_checked
+from .fileio import Progress, copy_range, crc32, page_pad, write_checked
 from .zipcheck import CENTRAL as _CENTRAL
 from .zipcheck import LOCAL as _LOCAL
 from .zipcheck import U32, read_directory
@@ -211,12 +211,15 @@ class ZipWriter:
         self.alignment = alignment
         self.entries: list[tuple[bytes, int, int, int, int, int]] = []  # name, crc, csize, size, method, offset
 
-    def _header(self, name: bytes, crc: int, csize: int, size: int, method: int) -> None:
+    def _header(self, name: bytes, crc: int, csize: int, size: int, method: int, *, like: int | None = None) -> None:
+        """The local header; ``like``: the source offset of the bytes that follow, if copied."""
         offset = self.f.tell()
         zip64 = csize >= ZIP64_AT or size >= ZIP64_AT
         extra = struct.pack("<HHQQ", 1, 16, size, csize) if zip64 else b""
-        # "FB" extra field padding so the data starts on an alignment boundary, as torch does.
-        pad = -(offset + _LOCAL.size + len(name) + len(extra) + 4) % self.alignment
+        # "FB" extra field padding so the data starts on an alignment boundary, as torch does
+        # (and at its source's offset within a page, for a long copy).
+        at = offset + _LOCAL.size + len(name) + len(extra) + 4
+        pad = -at % self.alignment if like is None else page_pad(at, like, csize, alignment=self.alignment)
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         sizes = (U32, U32) if zip64 else (csize, size)
         self.f.write(_LOCAL.pack(0x04034B50, 45 if zip64 else 20, 0, method, 0, 0x21, crc, *sizes, len(name), len(extra)))
@@ -273,7 +276,7 @@ class ZipWriter:
         Returns the CRC-32 of a stored record's bytes as copied, for the caller to hold against
         ``rec.crc`` (None for a compressed record, whose CRC covers the inflated bytes).
         """
-        self._header(name.encode(), rec.crc, rec.compressed_size, rec.size, rec.method)
+        self._header(name.encode(), rec.crc, rec.compressed_size, rec.size, rec.method, like=rec.data_offset)
         stored = rec.method == zipfile.ZIP_STORED
         copied = copy_range(src, self.f, rec.data_offset, rec.compressed_size, progress, crc=stored)
         return copied if stored else None
@@ -281,7 +284,7 @@ class ZipWriter:
     def add_range(self, name: str, src: BinaryIO, offset: int, length: int, crc: int, progress: Progress | None = None) -> int:
         """Store ``length`` bytes of ``src`` from ``offset`` under a CRC the caller knows; returns
         the CRC-32 of the bytes as copied, for the caller to hold against ``crc``."""
-        self._header(name.encode(), crc, length, length, zipfile.ZIP_STORED)
+        self._header(name.encode(), crc, length, length, zipfile.ZIP_STORED, like=offset)
         return copy_range(src, self.f, offset, length, progress, crc=True)
 
     def close(self) -> None:
