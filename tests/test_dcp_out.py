@@ -46,27 +46,30 @@ def test_dcp_output_loads_into_a_plain_model(fixtures_dir: Path, tmp_path: Path)
     assert _no_temps(tmp_path)
 
 
-def _load_into_fsdp2(rank: int, world: int, folder: str, expected: dict[str, torch.Tensor]) -> list[str]:
+def _load_on_ranks(rank: int, world: int, folder: str, expected: dict[str, torch.Tensor], shard: bool) -> list[str]:
+    """Load the folder into an FSDP2 model (``shard``) or a plain replica on every rank, as DDP
+    keeps one; returns the keys whose full values differ from ``expected``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(1)  # other values than the checkpoint's, so a load that does nothing shows
     model = TinyGPT()
-    fully_shard(model)
+    if shard:
+        fully_shard(model)
     state = model.state_dict()
     dcp.load(state, checkpoint_id=folder)
     model.load_state_dict(state)
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    full = {k: v.full_tensor() if shard else v for k, v in model.state_dict().items()}
     return [k for k, v in expected.items() if not torch.equal(full[k], v)]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [1, 2])
-def test_dcp_output_loads_into_fsdp2_on_gloo_ranks(fixtures_dir: Path, tmp_path: Path, world: int) -> None:
+@pytest.mark.parametrize(("world", "shard"), [(1, True), (2, True), (2, False)])
+def test_dcp_output_loads_into_fsdp2_or_plain_models_on_gloo_ranks(fixtures_dir: Path, tmp_path: Path, world: int, shard: bool) -> None:
     out = tmp_path / "out.dcp"
     ckptkit.convert_checkpoint(_ddp_source(fixtures_dir, tmp_path), out, format="dcp")
     expected = _expected(fixtures_dir)
-    assert ok_values(run_group(_load_into_fsdp2, world, tmp_path, str(out), expected)) == [[]] * world
+    assert ok_values(run_group(_load_on_ranks, world, tmp_path, str(out), expected, shard)) == [[]] * world
 
 
 def test_dcp_output_round_trips_through_the_streaming_reader(fixtures_dir: Path, tmp_path: Path) -> None:
@@ -160,3 +163,14 @@ def test_a_shard_size_with_dcp_output_is_refused_in_the_callers_spelling(fixture
         with pytest.raises(ArgumentError, match=r"max_shard_size is for Hugging Face shards; format=\"dcp\" writes one DCP folder"):
             ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "o.dcp", format="dcp", max_shard_size="1KB")
     assert not (tmp_path / "o.dcp").exists()
+
+
+@pytest.mark.parametrize(("name", "option"), [("out.safetensors", {"max_shard_size": "1KB"}), ("out.PT", {"format": "dcp"})])
+def test_a_folder_output_named_like_a_file_is_refused(fixtures_dir: Path, tmp_path: Path, name: str, option: dict[str, str]) -> None:
+    # Before, a folder called out.safetensors (or out.PT) was made.
+    option_name = "max_shard_size" if "max_shard_size" in option else 'format="dcp"'
+    with pytest.raises(ArgumentError, match=rf"{name} names a \.\w+ file, but {option_name} writes a folder; name the folder without the suffix \(.*out/\)"):
+        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / name, **option)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", f"{tmp_path / name}/", **option)  # type: ignore[arg-type]  # said to be a folder: made
+    assert (tmp_path / name).is_dir()

@@ -363,3 +363,16 @@ def test_a_key_in_two_shards_is_an_error_not_the_later_one(tmp_path: Path) -> No
     with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"key b is in 2 shards"):
         ckptkit.read_checkpoint(folder)
     assert run("verify", folder)[0] == 1
+
+
+def test_pt_to_shards_and_back_never_imports_torch(tmp_path: Path) -> None:
+    from tests.torchfree import run_torch_free
+
+    hf = tmp_path / "hf"
+    proc, imported_torch = run_torch_free(
+        ["convert", FIXTURES / "ddp.pt", f"{hf}/", "--max-shard-size", "1KB"], ["convert", hf, tmp_path / "back.pt"]
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not imported_torch
+    assert len(list(hf.glob("model-*-of-*.safetensors"))) > 1
+    assert_same(torch.load(tmp_path / "back.pt", weights_only=True), torch.load(FIXTURES / "plain.pt", weights_only=True))

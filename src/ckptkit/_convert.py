@@ -20,7 +20,7 @@ from ._convreport import ConvertReport, other_wrapped_weights, renamed_prefixes,
 from ._layout import find_model_state, replace_at
 from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
-from ._write import format_for, write_to
+from ._write import SUFFIX_FORMATS, format_for, write_to
 from .errors import ArgumentError, spell, summarize
 from .formats import dcpcopy
 from .formats import dcpstream as dcps
@@ -48,6 +48,15 @@ def _source_files(src: Path) -> list[Path]:
     if src.name.endswith(".index.json"):
         return [src, *(p for p in src.parent.iterdir() if p.is_file())]
     return [src] if src.exists() else []
+
+
+def _check_folder_name(dest: Path, option: str) -> None:
+    """Refuse a new folder named like a file (``out.safetensors``): the caller meant one file."""
+    if dest.suffix.lower() in SUFFIX_FORMATS:
+        raise ArgumentError(
+            f"{dest} names a {dest.suffix} file, but {option} writes a folder; name the folder without "
+            f"the suffix ({dest.with_suffix('')}/), or leave out {option} to write one file"
+        )
 
 
 def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> Format:
@@ -148,6 +157,8 @@ def convert_checkpoint(
         raise ArgumentError(f"{shard} is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave {shard} out")
     folder = format is None and (max_shard_size is not None or os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir())
     limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
+    if (folder or format == DCP) and not dest.is_dir() and not os.fspath(dst).endswith(("/", os.sep)):
+        _check_folder_name(dest, spell("max_shard_size", "--max-shard-size") if folder else _dcp_flag())
     if folder:
         check_destination(source, dest, force=force)
     out_fmt = HF if folder else _check_paths(source, dest, force, format)
