@@ -127,3 +127,18 @@ def test_convert_refuses_part_of_the_weights_without_model_only(tmp_path: Path) 
     )  # fmt: skip
     assert run.returncode != 0 and not (tmp_path / "s.pt").exists()
     assert "--key student. selects part of" in run.stderr and "--model-only" in run.stderr and "--strip student." in run.stderr
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_copy_that_fits_is_taken_when_the_top_level_does_not(tmp_path: Path, strict: bool) -> None:
+    # The top level has every model key but one of another shape (a teacher of another width,
+    # say); 'ema.' fits exactly: it is the only part that fits, so it is loaded and said so.
+    # Before, strict raised a shape mismatch and strict=False loaded the top level minus that key.
+    torch.manual_seed(0)
+    fits = TinyNet().state_dict()
+    top = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) if k == "fc1.weight" else torch.zeros_like(v) for k, v in fits.items()}
+    torch.save({**top, **{f"ema.{k}": v for k, v in fits.items()}}, tmp_path / "c.pt")
+    net = TinyNet()
+    with pytest.warns(UserWarning, match=r"loaded the weights under 'ema\.', the only part of the checkpoint that fits TinyNet"):
+        ckptkit.load_for_rank(tmp_path / "c.pt", model=net, strict=strict)
+    _assert_equal(net, fits)

@@ -169,7 +169,7 @@ def test_a_shard_size_with_dcp_output_is_refused_in_the_callers_spelling(fixture
 def test_a_folder_output_named_like_a_file_is_refused(fixtures_dir: Path, tmp_path: Path, name: str, option: dict[str, str]) -> None:
     # Before, a folder called out.safetensors (or out.PT) was made.
     option_name = "max_shard_size" if "max_shard_size" in option else 'format="dcp"'
-    with pytest.raises(ArgumentError, match=rf"{name} names a \.\w+ file, but {option_name} writes a folder; name the folder without the suffix \(.*out/\)"):
+    with pytest.raises(ArgumentError, match=rf"{name} names a \.\w+ file, but {option_name} writes a folder; name the folder without the suffix \(.*out/\) or end the name with / to keep it"):
         ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / name, **option)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
     ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", f"{tmp_path / name}/", **option)  # type: ignore[arg-type]  # said to be a folder: made

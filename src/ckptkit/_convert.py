@@ -51,11 +51,13 @@ def _source_files(src: Path) -> list[Path]:
 
 
 def _check_folder_name(dest: Path, option: str) -> None:
-    """Refuse a new folder named like a file (``out.safetensors``): the caller meant one file."""
+    """Refuse a new folder named like a file (``out.safetensors``), unless the name ends with ``/``
+    (Lightning names its sharded checkpoint folders ``epoch=0-step=10.ckpt``)."""
     if dest.suffix.lower() in SUFFIX_FORMATS:
         raise ArgumentError(
             f"{dest} names a {dest.suffix} file, but {option} writes a folder; name the folder without "
-            f"the suffix ({dest.with_suffix('')}/), or leave out {option} to write one file"
+            f"the suffix ({dest.with_suffix('')}/) or end the name with / to keep it ({dest}/), "
+            f"or leave out {option} to write one file"
         )
 
 
