@@ -157,9 +157,10 @@ def convert_checkpoint(
     if format == DCP and max_shard_size is not None:
         shard = spell("max_shard_size", "--max-shard-size")
         raise ArgumentError(f"{shard} is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave {shard} out")
-    folder = format is None and (max_shard_size is not None or os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir())
+    said_folder = os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir()
+    folder = format is None and (max_shard_size is not None or said_folder)
     limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
-    if (folder or format == DCP) and not dest.is_dir() and not os.fspath(dst).endswith(("/", os.sep)):
+    if (folder or format == DCP) and not said_folder:
         _check_folder_name(dest, spell("max_shard_size", "--max-shard-size") if folder else _dcp_flag())
     if folder:
         check_destination(source, dest, force=force)

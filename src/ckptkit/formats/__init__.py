@@ -12,5 +12,6 @@ Modules:
 - ``safetensors``: the safetensors codec; ``dcp``: torch.distributed.checkpoint metadata;
 - ``scan``: which globals a pickle would import, without importing them;
 - ``rewrite``: renaming a checkpoint's keys by copying its bytes; ``fileio``/``atomic``: bounded
-  reads, kernel-side copies, CRC-32 and atomic durable writes.
+  reads, kernel-side copies, CRC-32 and atomic durable writes; ``pages``: where a long copy
+  lands within a page.
 """

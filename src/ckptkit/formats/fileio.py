@@ -31,8 +31,6 @@ Progress = Callable[[int], None]
 Aside = Callable[[float], object]  # a helper's work while the kernel copies: returns by the time.perf_counter() given
 _ASIDE_SHARE = 0.5  # of a step's expected copy time, given to aside work (the CRC shares its core)
 _rate = [8e9]  # bytes/s of the last mapped step (a guess before one): how long the next should take
-PAGE = 4096  # the page size the kernel copies in (x86-64, most aarch64)
-PAGE_FROM = 1 << 20  # copies shorter than this are not worth padding to their source's page offset
 
 
 def crc32(data: Any, value: int = 0) -> int:
@@ -95,24 +93,6 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
 
 
 _start_writeback = _writeback_starter()
-
-
-def page_pad(at: int, like: int, length: int, *, alignment: int) -> int:
-    """Bytes of padding before a copy of ``length`` bytes from source offset ``like``, to be
-    written from ``at``: the fewest that start it at ``alignment`` (a divisor of :data:`PAGE`),
-    or, for a copy of :data:`PAGE_FROM` bytes or more from an aligned ``like``, the fewest that
-    also start it at the same offset within a page as its source.
-
-    On ext4, ``copy_file_range`` copies a page into a page about 20% faster than into two
-    (BENCHMARKS.md); a few KiB of padding per MiB-long copy buys that.
-
-    Example:
-        >>> page_pad(100, 64, 10, alignment=64), page_pad(100, 64, 1 << 20, alignment=64)
-        (28, 4060)
-    """
-    if length >= PAGE_FROM and like % alignment == 0 and PAGE % alignment == 0:
-        return (like - at) % PAGE
-    return -at % alignment
 
 
 def copy_range(

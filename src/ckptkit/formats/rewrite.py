@@ -23,9 +23,10 @@ from ..errors import ArgumentError, CheckpointFormatError, summarize
 from . import torchpickle as lp
 from .detect import SAFETENSORS
 from .dtypes import BY_NAME, BY_SAFETENSORS
-from .fileio import PAGE, Progress, copy_range, crc_of_range
+from .fileio import Progress, copy_range, crc_of_range
 from .integrity import Damage, record_crc, record_tensors, tensors_named
-from .safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, page_residue, write_with_crcs
+from .pages import page_residue
+from .safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, write_with_crcs
 from .source import NeedsTorch, Source, StRef, is_leaf, open_source
 from .torchdump import dumps
 from .torchzip import Record, ZipWriter
@@ -170,8 +171,7 @@ def write_safetensors(
     spans: list[tuple[int, int, int]] = []  # (offset in the data section, in the source, length)
     for _, b in copies:
         spans.append((spans[-1][0] + spans[-1][2] if spans else 0, b.offset, b.length))
-    at = page_residue(spans)
-    write_with_crcs(f, entries, meta, write_data, known=known, data_at=at)
+    write_with_crcs(f, entries, meta, write_data, known=known, data_at=page_residue(spans))
     return sum(b.length for _, b in copies)
 
 
@@ -195,7 +195,7 @@ def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progr
         meta[CRC_KEY] = crc_metadata(header, {n: state[n].crc for n in header})
     out = {"__metadata__": meta, **header} if meta else header
     at = page_residue([(0, src.data_start, sum(r.length for r in kept))])  # the data section moves whole
-    f.write(encode_header(out, data_at=None if at is None else (at - f.tell()) % PAGE))
+    f.write(encode_header(out, data_at=at, start=f.tell()))
     # read_header saw the tensors tile the data section: copied in file order, it is as it was.
     stored = sorted({id(r): r for r in src.obj.values()}.values(), key=lambda r: r.start)
     if not any(r.crc is not None for r in stored):  # nothing recorded to check against: one copy

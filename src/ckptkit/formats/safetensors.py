@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 from .dtypes import BY_SAFETENSORS
-from .fileio import PAGE, PAGE_FROM
+from .pages import PAGE
 
 DTYPE_SIZES: dict[str, int] = {code: d.itemsize for code, d in BY_SAFETENSORS.items()}
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
@@ -53,14 +53,13 @@ def write_with_crcs(
     against; when every tensor has one, the header is written once, final, instead of with
     placeholders rewritten after the data (a page the disk may already be writing back).
     Placeholders have the same width as CRCs, so a patch leaves every offset as it was.
-    ``data_at``: see :func:`page_residue`.
+    ``data_at``: see :func:`encode_header`.
     """
     names = [e[0] for e in entries]
     start = f.tell()
-    at = None if data_at is None else (data_at - start) % PAGE
 
     def header(crcs: Mapping[str, int] | None) -> bytes:
-        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(names, crcs)}, data_at=at)
+        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(names, crcs)}, data_at=data_at, start=start)
 
     first = header(known if known is not None and all(n in known for n in names) else None)
     f.write(first)
@@ -77,29 +76,12 @@ def write_with_crcs(
     f.seek(end)
 
 
-def page_residue(spans: Iterable[tuple[int, int, int]]) -> int | None:
-    """Where data should start, modulo the page size, for ``(offset in the data section, source
-    offset, length)`` copies: the residue under which the most bytes land at the same offset
-    within a page as in their source (None when no span is long enough to matter).
-
-    Safetensors keeps tensors back to back, so only the start of the data, moved by the
-    header's padding, can be chosen (why it matters: :func:`.fileio.page_pad`). Residues stay
-    multiples of 8, as safetensors' own writer keeps data 8-aligned.
-
-    Example:
-        >>> page_residue([(0, 4096 + 64, 1 << 20), (1 << 20, 9000, 100)])
-        64
-    """
-    weight: dict[int, int] = {}
-    for rel, src, length in spans:
-        r = (src - rel) % PAGE
-        if r % 8 == 0 and length >= PAGE_FROM:
-            weight[r] = weight.get(r, 0) + length
-    return max(weight, key=lambda r: weight[r]) if weight else None
-
-
 def header_bytes(
-    entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None, *, data_at: int | None = None
+    entries: Iterable[tuple[str, str, list[int], int]],
+    metadata: Mapping[str, str] | None,
+    *,
+    data_at: int | None = None,
+    start: int = 0,
 ) -> bytes:
     """Length prefix + JSON header for ``(name, dtype, shape, nbytes)`` entries laid out in order."""
     header: dict[str, Any] = {}
@@ -109,14 +91,15 @@ def header_bytes(
     for name, dtype, shape, nbytes in entries:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    return encode_header(header, data_at=data_at)
+    return encode_header(header, data_at=data_at, start=start)
 
 
-def encode_header(header: Mapping[str, Any], *, data_at: int | None = None) -> bytes:
+def encode_header(header: Mapping[str, Any], *, data_at: int | None = None, start: int = 0) -> bytes:
     """Length prefix + compact JSON, space-padded so tensor data starts 8-byte aligned, or, with
-    ``data_at`` (a multiple of 8), at that offset modulo :data:`PAGE` (up to a page of spaces)."""
+    ``data_at`` (a multiple of 8, from :func:`.pages.page_residue`), at that file offset modulo
+    :data:`~.pages.PAGE` (up to a page of spaces) for a header written at file offset ``start``."""
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8 if data_at is None else (data_at - 8 - len(raw)) % PAGE)
+    raw += b" " * (-(8 + len(raw)) % 8 if data_at is None else (data_at - start - 8 - len(raw)) % PAGE)
     return struct.pack("<Q", len(raw)) + raw
 
 

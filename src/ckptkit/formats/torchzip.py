@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
-from .fileio import Progress, copy_range, crc32, page_pad, write_checked
+from .fileio import Progress, copy_range, crc32, write_checked
+from .pages import page_pad
 from .zipcheck import CENTRAL as _CENTRAL
 from .zipcheck import LOCAL as _LOCAL
 from .zipcheck import U32, read_directory
