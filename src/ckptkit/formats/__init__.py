@@ -12,6 +12,7 @@ Modules:
 - ``safetensors``: the safetensors codec; ``dcp``: torch.distributed.checkpoint metadata;
 - ``scan``: which globals a pickle would import, without importing them;
 - ``rewrite``: renaming a checkpoint's keys by copying its bytes; ``fileio``/``atomic``: bounded
-  reads, kernel-side copies, CRC-32 and atomic durable writes; ``pages``: where a long copy
-  lands within a page.
+  reads, checked copies, CRC-32 and atomic durable writes; ``kcopy``: the kernel's copies
+  (``copy_file_range``, or ``splice`` through a pipe); ``pages``: where a long copy lands within
+  a page.
 """

@@ -1,4 +1,4 @@
-"""File primitives every format shares: bounded reads, kernel-side copies, CRC-32.
+"""File primitives every format shares: bounded reads, checked copies (the kernel's: :mod:`.kcopy`), CRC-32.
 
 The CRC-32 function lives here alone, so every reader and writer checks bytes the same way.
 It is ISA-L's (the ``isal`` package, ~6x ``zlib.crc32`` on x86-64 with PCLMUL; BENCHMARKS.md),
@@ -9,7 +9,6 @@ the same values.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
 import time
@@ -18,6 +17,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 from .helper import in_background
+from .kcopy import Move, NoKernelCopy, mover, start_writeback
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -77,24 +77,6 @@ class ClampedReader:
         return self._f.seek(offset, whence)
 
 
-def _writeback_starter() -> Callable[[int, int, int], None]:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where libc has it, else a no-op.
-
-    Starting writeback of each chunk as soon as it is copied lets the disk work while the copy
-    goes on, so the fsync at the end (durability) waits for the tail only, not the whole file.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return lambda fd, offset, n: None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return lambda fd, offset, n: None if fn(fd, offset, n, 2) == 0 else None
-
-
-_start_writeback = _writeback_starter()
-
-
 def copy_range(
     src: BinaryIO, dst: BinaryIO, offset: int, length: int, progress: Progress | None = None, *, crc: bool = False,
     aside: Aside | None = None,
@@ -103,7 +85,7 @@ def copy_range(
 
     With ``crc``, returns the CRC-32 of the source bytes as they are copied (else 0), for the
     caller to hold against the CRC the source records: while the kernel copies each step
-    (``copy_file_range``), a second thread CRCs the same bytes from a read-only mapping of the
+    (:func:`.kcopy.mover`'s way), a second thread CRCs the same bytes from a read-only mapping of the
     source, so checking costs little more than the copy and nothing is copied into Python.
 
     ``aside``: work a third thread may do while the kernel copies each step of a checked range
@@ -125,50 +107,42 @@ def copy_range(
     value = done = started = 0
     use_kernel = hasattr(os, "copy_file_range")
     mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
-    while done < length:
-        step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
-        n = 0
-        if use_kernel:
-            try:
-                n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, mapped, aside)
-            except _NoKernelCopy:  # cross-device on old kernels, or a filesystem without support
-                use_kernel = False
-        if not use_kernel:
-            src.seek(offset + done)
-            chunk = src.read(step)
-            dst.write(chunk)
-            dst.flush()
-            n = len(chunk)
-            value = _crc32(chunk, value) if crc else 0
-        if n <= 0:
-            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
-        done += n
-        if done - started >= _CHUNK or done == length:
-            _start_writeback(out, written_at + started, done - started)
-            started = done
-        if progress is not None:
-            progress(n)
+    with mover(inp, out, offset, length) as move:
+        while done < length:
+            step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
+            n = 0
+            if use_kernel:
+                try:
+                    n, value = _kernel_copy(move, inp, step, offset + done, value if crc else None, mapped, aside)
+                except NoKernelCopy:  # cross-device on old kernels, or a filesystem without support
+                    use_kernel = False
+            if not use_kernel:
+                src.seek(offset + done)
+                chunk = src.read(step)
+                dst.write(chunk)
+                dst.flush()
+                n = len(chunk)
+                value = _crc32(chunk, value) if crc else 0
+            if n <= 0:
+                raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
+            done += n
+            if done - started >= _CHUNK or done == length:
+                start_writeback(out, written_at + started, done - started)
+                started = done
+            if progress is not None:
+                progress(n)
     return value
 
 
-class _NoKernelCopy(Exception):  # not an OSError: a read error of the CRC thread must not pass for it
-    """``copy_file_range`` refused (nothing copied): the caller copies through Python instead."""
-
-
-def _copy_file_range(inp: int, out: int, n: int, at: int) -> int:
-    try:
-        return os.copy_file_range(inp, out, n, at)
-    except OSError as e:
-        raise _NoKernelCopy from e
-
-
-def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapped: bool, aside: Aside | None) -> tuple[int, int]:
-    """``copy_file_range`` of up to ``step`` bytes at ``at``: ``(bytes copied, CRC-32 continued
-    from value)``; no CRC (0) where ``value`` is None."""
+def _kernel_copy(
+    move: Move, inp: int, step: int, at: int, value: int | None, mapped: bool, aside: Aside | None
+) -> tuple[int, int]:
+    """``move`` of up to ``step`` bytes at ``at`` (:func:`.kcopy.mover`'s): ``(bytes copied,
+    CRC-32 continued from value)``; no CRC (0) where ``value`` is None."""
     if value is None:
-        return _copy_file_range(inp, out, step, at), 0
+        return move(step, at), 0
     if not mapped:  # a short range: read back what was copied, from warm pages
-        n = _copy_file_range(inp, out, step, at)
+        n = move(step, at)
         return n, _crc32(os.pread(inp, n, at), value) if n > 0 else value
     # On another core, while the kernel copies the same bytes: that thread maps, CRCs and
     # unmaps its step, so the page-table work of the mapping stays off this thread.
@@ -178,7 +152,7 @@ def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapp
     try:  # both jobs are waited for, whatever fails: the aside reads files the caller closes next
         if aside is not None:
             side = in_background(aside, start + _ASIDE_SHARE * step / _rate[0])
-        n = _copy_file_range(inp, out, step, at)
+        n = move(step, at)
     finally:
         took = time.perf_counter() - start
         try:

@@ -1,9 +1,9 @@
 """Where a copied range should land within a page, so the kernel copies whole pages.
 
-On ext4, ``copy_file_range`` copies a source page into one destination page about 20% faster
-than across two (BENCHMARKS.md). A writer that pads before a long copy (a zip record's extra
-field) or before its data (a safetensors header) can keep the bytes at their source's offset
-within a page, for a few KiB of padding at most.
+A copy that keeps each byte at its source's offset within a page is the kernel's fastest
+(:mod:`.kcopy` says by how much, and what it does for the rest). A writer that pads before a
+long copy (a zip record's extra field) or before its data (a safetensors header) can keep the
+bytes there, for a few KiB of padding at most.
 """
 
 from __future__ import annotations
