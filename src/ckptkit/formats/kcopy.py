@@ -3,11 +3,11 @@
 On ext4, ``copy_file_range`` copies through the page cache 64 KiB at a time. When the bytes
 land at another offset within a page than in their source (a safetensors shard packs tensors
 that a zip kept apart; a DCP chunk starts anywhere), each batch begins and ends on a part page,
-and a checked 1 GiB copy to disk took 1.16x as long as one kept in step; ``splice`` through a
-1 MiB pipe writes 1 MiB batches and took 1.06x (``benchmarks/bench_kcopy.py``, BENCHMARKS.md).
-So such ranges go through a pipe on ext4, the one filesystem where that was measured. On tmpfs
-the two measured level, and elsewhere ``copy_file_range`` may do better than any pipe (NFS
-copies on the server; XFS and btrfs share blocks where the offsets allow): it stays.
+and a checked 1 GiB copy to disk takes 1.16-1.18x as long as one kept in step; ``splice`` through a
+1 MiB pipe writes 1 MiB batches and takes 0.98-1.06x (BENCHMARKS.md, bench_kcopy.py). So such
+ranges go through a pipe on ext4, the one filesystem where that was measured. On tmpfs the two
+measured level, and elsewhere ``copy_file_range`` may do better than any pipe (NFS copies on
+the server; XFS and btrfs share blocks where the offsets allow): it stays.
 """
 
 from __future__ import annotations
