@@ -107,7 +107,7 @@ def copy_range(
     value = done = started = 0
     use_kernel = hasattr(os, "copy_file_range")
     mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
-    with mover(inp, out, offset, length) as move:
+    with mover(inp, out, src_at=offset, dst_at=written_at, length=length) as move:
         while done < length:
             step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
             n = 0

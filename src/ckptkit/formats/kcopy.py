@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
+from typing import Any
 
 from .pages import PAGE
 
@@ -59,17 +60,17 @@ def copy_file_range(inp: int, out: int, n: int, at: int) -> int:
 
 
 @contextlib.contextmanager
-def mover(inp: int, out: int, src_at: int, length: int) -> Iterator[Move]:
-    """How to copy ``length`` bytes of ``inp`` from ``src_at`` to ``out``'s position: through a
-    pipe where they would land at another offset within a page and both files are on ext4, else
-    by :func:`copy_file_range`.
+def mover(inp: int, out: int, *, src_at: int, dst_at: int, length: int) -> Generator[Move, None, None]:
+    """How to copy ``length`` bytes of ``inp`` from ``src_at`` to ``out``'s position ``dst_at``:
+    through a pipe where they would land at another offset within a page and both files are on
+    ext4, else by :func:`copy_file_range`.
 
     Example:
         >>> import tempfile
         >>> with tempfile.TemporaryFile() as s, tempfile.TemporaryFile() as d:
         ...     _ = s.write(b"123456789")
         ...     s.flush()
-        ...     with mover(s.fileno(), d.fileno(), 2, 7) as move:
+        ...     with mover(s.fileno(), d.fileno(), src_at=2, dst_at=0, length=7) as move:
         ...         n = move(7, 2)
         ...     n, os.pread(d.fileno(), 9, 0)
         (7, b'3456789')
@@ -78,7 +79,6 @@ def mover(inp: int, out: int, src_at: int, length: int) -> Iterator[Move]:
     def kernel(n: int, at: int) -> int:
         return copy_file_range(inp, out, n, at)
 
-    dst_at = os.lseek(out, 0, os.SEEK_CUR)
     if length < _SPLICE_FROM or (src_at - dst_at) % PAGE == 0 or not (hasattr(os, "splice") and _on_ext4(inp, out)):
         yield kernel
         return
@@ -148,43 +148,38 @@ def _drain(r: int, n: int) -> None:
         n -= len(data)
 
 
-def _statfs_type() -> Callable[[int], int | None]:
-    """``fstatfs(fd).f_type`` (the filesystem's magic number), or None where libc cannot say."""
+def _libc(name: str, argtypes: list[Any]) -> Any:
+    """libc's function ``name``, taking ``argtypes``, or None where libc has none."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).fstatfs
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
-        return lambda fd: None
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
-
-    def f_type(fd: int) -> int | None:
-        buf = ctypes.create_string_buffer(512)  # struct statfs (120 bytes on x86-64): f_type, a C long, first
-        if fn(fd, buf) != 0:
-            return None
-        return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
-
-    return f_type
+        return None
+    fn.argtypes = argtypes
+    return fn
 
 
-fs_type = _statfs_type()
+_fstatfs = _libc("fstatfs", [ctypes.c_int, ctypes.c_void_p])
+_sync_file_range = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+
+
+def fs_type(fd: int) -> int | None:
+    """Linux's ``fstatfs(fd).f_type`` (the filesystem's magic number), or None where libc cannot say."""
+    buf = ctypes.create_string_buffer(512)  # struct statfs (120 bytes on x86-64): f_type, a C long, first
+    if _fstatfs is None or _fstatfs(fd, buf) != 0:
+        return None
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def _on_ext4(*fds: int) -> bool:
     return all(fs_type(fd) == _EXT4 for fd in fds)
 
 
-def _writeback_starter() -> Callable[[int, int, int], None]:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where libc has it, else a no-op.
+def start_writeback(fd: int, offset: int, n: int) -> None:
+    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where libc has it, else nothing.
 
     Starting writeback of each chunk as soon as it is copied lets the disk work while the copy
     goes on, so the fsync at the end (durability) waits for the tail only, not the whole file.
+    A failure here costs only that head start: the fsync still reports any error.
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return lambda fd, offset, n: None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return lambda fd, offset, n: None if fn(fd, offset, n, 2) == 0 else None
-
-
-start_writeback = _writeback_starter()
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, n, 2)
