@@ -95,16 +95,35 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float =
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
+def assert_same_tree(a: object, b: object, where: str = "") -> None:
+    """Equal containers, keys in order, tensors of one dtype and equal bits, equal other values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
 def assert_same_final(a: Path, b: Path) -> None:
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert list(wa) == list(wb)
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
-    ca = torch.load(a / "checkpoints" / "step_000000032.pt", weights_only=True)
-    cb = torch.load(b / "checkpoints" / "step_000000032.pt", weights_only=True)
-    for i, st in ca["optimizer"]["state"].items():
-        assert all(torch.equal(v, cb["optimizer"]["state"][i][k]) for k, v in st.items())
-    assert ca["scheduler"] == cb["scheduler"] and ca["sampler"] == cb["sampler"]
+    """The same final weights, and the same last checkpoint in every entry: weights, optimizer,
+    scheduler, scaler, sampler and every rank's RNG streams."""
+    assert_same_tree(load_file(a / "model.safetensors"), load_file(b / "model.safetensors"))
+    ca, cb = torch.load(last_checkpoint(a), weights_only=True), torch.load(last_checkpoint(b), weights_only=True)
+    assert last_checkpoint(a).name == last_checkpoint(b).name
+    assert_same_tree(ca, cb)
+
+
+def last_checkpoint(out: Path) -> Path:
+    """The checkpoint the run's ``latest`` pointer names."""
+    folder = out / "checkpoints"
+    return folder / (folder / "latest").read_text().strip()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import functools
 import gc
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -146,6 +147,13 @@ def _build(cfg: TrainConfig, env: _Env, model: Any, data: tuple[Any, Any] | None
     model = model if model is not None else (factory(cfg.model, "--model") if cfg.model else default_model())
     train_set, val_set = data if data is not None else (factory(cfg.data, "--data") if cfg.data else default_data(cfg.seed))
     torch.manual_seed(cfg.seed + 1000 * env.rank)
+    # Python's and numpy's generators too: checkpoints restore them and a user's --data may draw
+    # from them, so unseeded ones would make two runs of one seed differ.
+    random.seed(cfg.seed + 1000 * env.rank)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(cfg.seed + 1000 * env.rank)
 
     # Every rank a disjoint shard; the sampler knows its position within the epoch. The loader
     # has its own generator: iter(loader) would otherwise draw from the global RNG.
