@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,46 @@ def test_async_staging_records_the_device_the_tensors_came_from(tmp_path: Path) 
     torch.save({"staged": staged}, tmp_path / "after.pt")
     assert tags(tmp_path / "during.pt") == {"cuda:3", "cpu"}
     assert tags(tmp_path / "after.pt") == {"cpu"}
+
+
+def test_a_staged_zero_size_copy_tags_no_other_zero_size_storage(tmp_path: Path) -> None:
+    """Every zero-size storage has data_ptr 0: tags keyed by it tagged them all (issue 24, defect 4;
+    tests/test_cuda.py has the whole path, an async save of a zero-size CUDA tensor)."""
+    from ckptkit.dist.async_save import _STAGED_TAGS, _tag_as
+    from ckptkit.formats import torchpickle
+    from ckptkit.formats.torchzip import TorchZip
+
+    staged, other = torch.empty(0), torch.empty(0)
+    key = _tag_as(staged.untyped_storage(), "cuda:0")
+    try:
+        torch.save({"other": other}, tmp_path / "other.pt")
+    finally:
+        _STAGED_TAGS.pop(key)
+    found: set[str] = set()
+    with TorchZip(tmp_path / "other.pt") as z:
+        torchpickle.loads(z.read(f"{z.prefix}data.pkl"), on_storage=lambda ref: found.add(ref.location))
+    assert found == {"cpu"}
+
+
+def test_staged_tags_pickle_as_torchs_own_cuda_tags_do(tmp_path: Path) -> None:
+    """Seen on an H200: the async save of a tied CUDA model differed from the sync one in data.pkl
+    alone, where the shared storage's second reference reused the memoized tag string; torch's
+    own CUDA tagger builds a new string at each call, emulated here."""
+    from unittest import mock
+
+    from ckptkit.dist.async_save import _STAGED_TAGS, _tag_as
+
+    base = torch.arange(8.0)
+    tied = {"embed": base, "head": base, "part": base[2:5]}  # three references to one storage
+    with mock.patch("torch.serialization.location_tag", lambda storage: "cuda:" + str(0)):
+        torch.save(tied, tmp_path / "sync.pt")
+    key = _tag_as(base.untyped_storage(), "cuda:0")
+    try:
+        torch.save(tied, tmp_path / "staged.pt")
+    finally:
+        _STAGED_TAGS.pop(key)
+    with zipfile.ZipFile(tmp_path / "sync.pt") as a, zipfile.ZipFile(tmp_path / "staged.pt") as b:
+        assert a.read("sync/data.pkl") == b.read("staged/data.pkl")
 
 
 Point = collections.namedtuple("Point", "x y")

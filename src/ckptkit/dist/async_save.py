@@ -24,6 +24,9 @@ from .rank0 import write_and_agree
 _CHANNEL = "background"
 # Host copies of device storages -> the device tag the original had ("cuda:0"), so the file
 # records where the tensors lived, exactly as a synchronous save of the live tensors does.
+# Keyed by storage object (``_cdata``, its StorageImpl, unique while it lives; the staged copy
+# lives until its key is dropped), never by data pointer: every zero-size storage has
+# data_ptr 0, and any other torch.save in the process would take the tag.
 _STAGED_TAGS: dict[int, str] = {}
 _tagger_registered = False
 
@@ -34,10 +37,18 @@ def _tag_as(host_storage: Any, tag: str) -> int:
         import torch
 
         # Priority 0 runs before torch's own taggers (cpu is 10); None defers to them.
-        torch.serialization.register_package(0, lambda s: _STAGED_TAGS.get(s.data_ptr()), lambda s, location: None)
+        torch.serialization.register_package(0, _staged_tag, lambda s, location: None)
         _tagger_registered = True
-    _STAGED_TAGS[host_storage.data_ptr()] = tag
-    return int(host_storage.data_ptr())
+    _STAGED_TAGS[host_storage._cdata] = tag
+    return int(host_storage._cdata)
+
+
+def _staged_tag(storage: Any) -> str | None:
+    tag = _STAGED_TAGS.get(storage._cdata)
+    # A new string at each call, as torch's own device taggers return: pickle memoizes by object,
+    # so one shared string would be written as a back-reference wherever two tensors share a
+    # storage (tied weights), and the file would differ from a synchronous save's.
+    return None if tag is None else "".join(tag.partition(":"))
 
 
 class AsyncSaver:
@@ -119,15 +130,15 @@ class AsyncSaver:
         type kept), other values shared."""
         import torch
 
-        hosts: dict[tuple[str, int], Any] = {}  # (device, data_ptr) of a live storage -> its host copy
+        hosts: dict[int, Any] = {}  # a live storage (its StorageImpl, shared by its views) -> its host copy
         cuda_devices: set[Any] = set()
         device_copies = 0
 
         def host_storage(t: torch.Tensor) -> Any:
             nonlocal device_copies
             storage = t.untyped_storage()
-            ident = (str(storage.device), storage.data_ptr())
-            if ident in hosts and hosts[ident].nbytes() == storage.nbytes():
+            ident = storage._cdata
+            if ident in hosts:
                 return hosts[ident]
             if storage.device.type == "cpu":
                 copy = storage.clone()
