@@ -68,8 +68,7 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
     with signals_deferred():  # Ctrl-C while torch's C++ starts up: raised once it has (only that:
         import torch.distributed.run  # noqa: F401  # a user's --model below stays interruptible)
     check_environment(cfg)  # a missing --resume file, an --model that does not import: exit 1
-    launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts),
-                "--shutdown-timeout", str(shutdown_timeout)]  # fmt: skip
+    launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts)]
     if node_rank is not None:
         launcher += ["--node-rank", str(node_rank)]
     if master_addr:
@@ -89,7 +88,10 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path, shutd
     from torch.distributed.run import get_args_parser, run
 
     parser = get_args_parser()
-    if any("--signals-to-handle" in a.option_strings for a in parser._actions):
+    known = {option for action in parser._actions for option in action.option_strings}
+    if "--shutdown-timeout" in known:  # older torchrun has no such flag: its agent waits 30 s
+        launcher = [*launcher, "--shutdown-timeout", str(shutdown_timeout)]
+    if "--signals-to-handle" in known:
         # The agent would pass SIGINT on to the workers, and a worker still importing Python
         # modules dies of it with a traceback. Left to this process, they raise here instead,
         # and the agent's shutdown sends SIGTERM.
