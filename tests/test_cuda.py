@@ -7,6 +7,7 @@ machine with one runs them all (some start process groups and torchrun, so they 
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import ckptkit
 from fixtures.models import TiedLM, TinyNet
 from tests.group import ok_values, run_group
+from tests.test_train import assert_same_tree
 
 pytestmark = [
     pytest.mark.cuda,
@@ -32,21 +34,6 @@ def _cpu(obj: object) -> object:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu(v) for v in obj)
     return obj
-
-
-def _assert_same(a: object, b: object, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where  # type: ignore[arg-type]
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):  # type: ignore[call-overload]
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def _locations(path: Path) -> set[str]:
@@ -106,7 +93,7 @@ def test_save_on_master_from_cuda_tensors_equals_the_cpu_save(tmp_path: Path) ->
     ckptkit.save_on_master(model.state_dict(), tmp_path / "gpu.pt")
     ckptkit.save_on_master(_cpu(model.state_dict()), tmp_path / "cpu.pt")
     assert _locations(tmp_path / "gpu.pt") == {"cuda:0"} and _locations(tmp_path / "cpu.pt") == {"cpu"}
-    _assert_same(ckptkit.read_checkpoint(tmp_path / "gpu.pt", map_location="cpu"),
+    assert_same_tree(ckptkit.read_checkpoint(tmp_path / "gpu.pt", map_location="cpu"),
                  ckptkit.read_checkpoint(tmp_path / "cpu.pt", map_location="cpu"))  # fmt: skip
     assert ckptkit.verify_checkpoint(tmp_path / "gpu.pt").ok
 
@@ -115,8 +102,8 @@ def test_save_training_state_from_cuda_holds_what_was_on_the_gpu(tmp_path: Path)
     model, opt = _trained_on_cuda()
     ckptkit.save_training_state(tmp_path / "state.pt", model=model, optimizer=opt, step=2)
     saved = ckptkit.read_checkpoint(tmp_path / "state.pt", map_location="cpu")
-    _assert_same(saved["model"], _cpu(model.state_dict()))
-    _assert_same(saved["optimizer"], _cpu(opt.state_dict()))
+    assert_same_tree(saved["model"], _cpu(model.state_dict()))
+    assert_same_tree(saved["optimizer"], _cpu(opt.state_dict()))
     assert saved["rng"][0]["cuda"] is not None  # CUDA was in use: its generators were saved
 
 
@@ -159,7 +146,7 @@ def test_grad_scaler_and_cuda_rng_resume_exactly(tmp_path: Path) -> None:
     assert scaler2.get_scale() == expected_scale
     for i, rng in enumerate(expected_rng):
         assert torch.equal(torch.cuda.get_rng_state(i), rng), f"cuda:{i}"
-    _assert_same(_cpu(model2.state_dict()), _cpu(model.state_dict()))
+    assert_same_tree(_cpu(model2.state_dict()), _cpu(model.state_dict()))
 
 
 # -- AsyncSaver on CUDA ------------------------------------------------------------------------
@@ -177,15 +164,55 @@ def test_async_save_stages_through_pinned_memory_and_keeps_tied_weights(tmp_path
     assert saver._pinned and all(buf.is_pinned() for buf in saver._pinned)
     saver.close()
     after_save = ckptkit.read_checkpoint(tmp_path / "async.pt", map_location="cpu")
-    _assert_same(after_save, before)
+    assert_same_tree(after_save, before)
     embed, head = after_save["embed.weight"], after_save["head.weight"]
     assert embed.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()  # still tied
-    with torch.no_grad():
-        for p in model.parameters():
-            p.sub_(1.0)
+    with torch.no_grad():  # back to the saved values, exactly (adding 1.0 rounded them)
+        for name, p in model.named_parameters():
+            p.copy_(before[name])
     ckptkit.save_on_master(model.state_dict(), tmp_path / "sync.pt")
     assert _locations(tmp_path / "async.pt") == _locations(tmp_path / "sync.pt") == {"cuda:0"}
-    assert (tmp_path / "async.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
+    _assert_same_records(tmp_path / "async.pt", tmp_path / "sync.pt")
+
+
+def _assert_same_records(a: Path, b: Path) -> None:
+    """Byte-identical zips; where a record differs, say which (data.pkl: its pickle, disassembled)."""
+    import difflib
+    import pickletools
+    import zipfile
+
+    za, zb = zipfile.ZipFile(a), zipfile.ZipFile(b)
+    assert za.namelist() == zb.namelist()
+    for name in za.namelist():
+        x, y = za.read(name), zb.read(name)
+        if x != y and name.endswith("data.pkl"):
+            text = [io.StringIO(), io.StringIO()]
+            pickletools.dis(x, text[0])
+            pickletools.dis(y, text[1])
+            diff = difflib.unified_diff(text[0].getvalue().splitlines(), text[1].getvalue().splitlines(), lineterm="")
+            raise AssertionError(f"{name} differs:\n" + "\n".join(list(diff)[:60]))
+        assert x == y, name
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_zero_size_cpu_tensor_saved_during_an_async_save_stays_on_the_cpu(tmp_path: Path) -> None:
+    import threading
+
+    # Every zero-size storage has data_ptr 0: tags keyed by it made this CPU file say cuda:0.
+    writing, saved_meanwhile = threading.Event(), threading.Event()
+
+    def hold() -> None:  # runs in the background save, before its tags are dropped
+        writing.set()
+        assert saved_meanwhile.wait(60)
+
+    saver = ckptkit.AsyncSaver()
+    saver.save({"empty": torch.empty(0, device="cuda"), "w": torch.ones(3, device="cuda")}, tmp_path / "gpu.pt", on_done=hold)
+    assert writing.wait(60)
+    torch.save({"empty": torch.empty(0), "w": torch.ones(2)}, tmp_path / "cpu.pt")
+    saved_meanwhile.set()
+    saver.close()
+    assert _locations(tmp_path / "cpu.pt") == {"cpu"}
+    assert _locations(tmp_path / "gpu.pt") == {"cuda:0"}
 
 
 # -- the reference trainer on GPUs -------------------------------------------------------------
@@ -243,13 +270,13 @@ def test_trainer_two_processes_share_one_gpu_over_gloo(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_trainer_amp_modes_resume_bit_exact(tmp_path: Path, amp: str) -> None:
-    from tests.test_train import assert_same_final
+    from tests.test_train import assert_same_final, last_checkpoint
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert _gpu_run(straight, 1, "--amp", amp) == 0
     _stopped_then_resumed(stopped, "--amp", amp)
     assert_same_final(straight, stopped)
-    scaler = torch.load(straight / "checkpoints" / "step_000000032.pt", weights_only=True)["scaler"]
+    scaler = torch.load(last_checkpoint(straight), weights_only=True)["scaler"]
     if amp == "fp16":
         assert scaler["scale"] > 0 and "_growth_tracker" in scaler  # GradScaler state saved and restored
 
