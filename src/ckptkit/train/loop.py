@@ -13,7 +13,6 @@ import functools
 import gc
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ import ckptkit
 from .config import TrainConfig, check, check_environment
 from .log import Logger
 from .schedule import LRSchedule, planned_steps
-from .task import default_data, default_model, factory
+from .task import default_data, default_model, factory, seed_generators
 
 
 def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None = None) -> dict[str, Any]:
@@ -146,14 +145,7 @@ def _build(cfg: TrainConfig, env: _Env, model: Any, data: tuple[Any, Any] | None
     torch.manual_seed(cfg.seed)
     model = model if model is not None else (factory(cfg.model, "--model") if cfg.model else default_model())
     train_set, val_set = data if data is not None else (factory(cfg.data, "--data") if cfg.data else default_data(cfg.seed))
-    torch.manual_seed(cfg.seed + 1000 * env.rank)
-    # Python's and numpy's generators too: checkpoints restore them and a user's --data may draw
-    # from them, so unseeded ones would make two runs of one seed differ.
-    random.seed(cfg.seed + 1000 * env.rank)
-    with contextlib.suppress(ImportError):
-        import numpy
-
-        numpy.random.seed(cfg.seed + 1000 * env.rank)
+    seed_generators(cfg.seed + 1000 * env.rank)
 
     # Every rank a disjoint shard; the sampler knows its position within the epoch. The loader
     # has its own generator: iter(loader) would otherwise draw from the global RNG.

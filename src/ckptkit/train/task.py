@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 from typing import Any
 
 from .config import resolve
@@ -33,3 +35,16 @@ def default_model(dim: int = 32, hidden: int = 128, classes: int = 10) -> Any:
 def factory(spec: str, flag: str) -> Any:
     """Call the factory ``pkg.module:factory`` names (``flag`` names it in errors)."""
     return resolve(spec, flag)()
+
+
+def seed_generators(seed: int) -> None:
+    """Seed torch's, Python's and numpy's global generators. Checkpoints restore all three and a
+    user's ``--data`` may draw from any, so one left unseeded makes two runs of a seed differ."""
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    with contextlib.suppress(ImportError):  # numpy is optional for the trainer (tests/test_train.py)
+        import numpy
+
+        numpy.random.seed(seed)
