@@ -269,3 +269,26 @@ def test_help_is_fast_to_import() -> None:
 def test_usage_errors_exit_2() -> None:
     assert run("convert")[0] == 2
     assert run("convert", "a.pt", "b.pt", "--to", "sideways")[0] == 2
+
+
+@pytest.mark.parametrize("extra", [["--key", "student.", "--model-only"], ["--strip", "student."]])
+@pytest.mark.parametrize("crcs", [False, True], ids=["plain", "ckptkit-crcs"])
+def test_a_selection_from_safetensors_writes_only_what_it_selects(tmp_path: Path, extra: list[str], crcs: bool) -> None:
+    """Issue 24, defect 1: the header named the selection but the whole data section was copied,
+    and the broken file was published (with --force, over a good one)."""
+    from safetensors.torch import load_file, save_file
+
+    both = {"teacher.w": torch.arange(1000.0), "student.w": torch.arange(1010.0) * 2}
+    src = tmp_path / "both.safetensors"
+    if crcs:
+        ckptkit.write_checkpoint(both, src)
+    else:
+        save_file(both, src)
+    dst = tmp_path / "s.safetensors"
+    ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
+    code, _, err = run("convert", src, dst, "--force", *extra)
+    assert code == 0, err
+    got = load_file(dst)
+    expected = {"w": both["student.w"]} if "--key" in extra else {"teacher.w": both["teacher.w"], "w": both["student.w"]}
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+    assert ckptkit.verify_checkpoint(dst).ok and no_temps(tmp_path)
