@@ -30,10 +30,87 @@ def check_fit(state_dict: Mapping[str, Any], target: Mapping[str, Any]) -> tuple
     return missing, unexpected, mismatched
 
 
+def _memory(value: Any) -> tuple[Any, int, int] | None:
+    """``(device, storage address, storage bytes)``: what ``safetensors.torch._find_shared_tensors``
+    groups by. None for what shares with nothing: a meta or empty tensor, a subclass (a DTensor's
+    storage is its local shard), a non-tensor (``_extra_state``)."""
+    import torch
+
+    if type(value) is not torch.Tensor or value.device.type == "meta" or value.numel() == 0:
+        return None
+    storage = value.untyped_storage()
+    return (value.device, storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else None
+
+
+def _covers(outer: Any, inner: Any) -> bool:
+    """Whether loading ``outer`` writes every element of ``inner`` (both in one storage)."""
+    if (outer.storage_offset(), outer.shape, outer.stride(), outer.dtype) == (inner.storage_offset(), inner.shape, inner.stride(), inner.dtype):
+        return True  # tied weights: one tensor under two names
+    if outer.dtype != inner.dtype or not outer.is_contiguous():
+        return False
+    start = inner.storage_offset() - outer.storage_offset()
+    last = start + sum((n - 1) * s for n, s in zip(inner.shape, inner.stride(), strict=True))
+    return start >= 0 and last < outer.numel()
+
+
+def tied_keys(target: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each key of a model's state dict whose memory lies wholly inside other keys' (tied weights,
+    a buffer that views a parameter), mapped to those keys in the model's order.
+
+    safetensors' ``save_model``, ``save_pretrained`` and Accelerate store such a group once, so a
+    checkpoint lacks all but one of its names; loading the one stored fills the others.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> lm = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+        >>> lm[1].weight = lm[0].weight  # an output layer tied to the embedding
+        >>> tied_keys(lm.state_dict())
+        {'0.weight': ['1.weight'], '1.weight': ['0.weight']}
+    """
+    groups: dict[tuple[Any, int, int], list[str]] = {}
+    for key, value in target.items():
+        memory = _memory(value)
+        if memory is not None:
+            groups.setdefault(memory, []).append(key)
+    ties: dict[str, list[str]] = {}
+    for keys in groups.values():
+        for key in keys:
+            fillers = [other for other in keys if other != key and _covers(target[other], target[key])]
+            if fillers:
+                ties[key] = fillers
+    return ties
+
+
+def _tied_value(stored: Any, inner: Any, outer: Any) -> Any:
+    """The part of ``stored`` (checkpoint's value for ``outer``) that model tensor ``inner`` views."""
+    if (outer.storage_offset(), outer.shape, outer.stride()) == (inner.storage_offset(), inner.shape, inner.stride()):
+        return stored
+    flat = stored.contiguous().view(-1)
+    return flat.as_strided(inner.shape, inner.stride(), flat.storage_offset() + inner.storage_offset() - outer.storage_offset())
+
+
+def _check_filling_ties(adapted: dict[str, Any], target: Mapping[str, Any]) -> tuple[list[str], list[str], list[Any]]:
+    """:func:`check_fit`, after filling each missing key that the model ties to a stored one, as
+    ``safetensors.torch.load_model`` does. The filled entry is the stored tensor (or its view), so
+    ``load_state_dict`` copies the same values into the one shared storage and the tie holds."""
+    missing, unexpected, mismatched = check_fit(adapted, target)
+    ties = tied_keys(target) if missing else {}
+    still = []
+    for key in missing:
+        stored = [k for k in ties.get(key, ()) if k in adapted]
+        fits = [k for k in stored if _shape(adapted[k]) == _shape(target[k])]
+        if fits:
+            adapted[key] = _tied_value(adapted[fits[0]], target[key], target[fits[0]])
+        elif not stored:  # one stored but mis-shaped is reported as that mismatch, not twice
+            still.append(key)
+    return still, unexpected, mismatched
+
+
 def fitting_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any], *, wrappers: Iterable[str] = WRAPPER_PREFIXES) -> list[str]:
     """The leading prefixes under which ``state_dict`` holds exactly ``target``'s keys, one to one
-    and shape for shape, wrapper segments aside: ``["net."]`` for a LightningModule's
-    ``net._orig_mod.conv1.weight`` against a plain net, two for a teacher and a student.
+    and shape for shape (tied ones may be stored once), wrapper segments aside: ``["net."]`` for a
+    LightningModule's ``net._orig_mod.conv1.weight`` against a plain net, two for a teacher and a
+    student.
 
     Example:
         >>> fitting_prefixes({"net._orig_mod.w": 0, "loss.t": 1}, {"w": 0})
@@ -43,6 +120,7 @@ def fitting_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any], *
     want = {canonical_key(k, names): _shape(v) for k, v in target.items()}
     if len(want) != len(target):  # two model keys with one plain name: names cannot decide
         return []
+    ties = {canonical_key(k, names): {canonical_key(o, names) for o in others} for k, others in tied_keys(target).items()}
     under: dict[str, dict[str, str]] = {}  # plain prefix -> {model key: checkpoint key}
     raw: dict[str, set[str]] = {}  # plain prefix -> how the checkpoint's keys spell it
     for key in state_dict:
@@ -57,11 +135,11 @@ def fitting_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any], *
     fits = []
     for lead, got in under.items():
         spelled = raw[lead]
-        if len(got) != len(want) or len(spelled) != 1:
-            continue
+        if any(not ties.get(k, set()) & got.keys() for k in want.keys() - got.keys()) or len(spelled) != 1:
+            continue  # a key neither stored nor tied to a stored one
         prefix = spelled.pop()
         inside = [k for k in state_dict if k.startswith(prefix)]
-        if len(inside) == len(want) and all(_shape(state_dict[got[k]]) == shape for k, shape in want.items()):
+        if len(inside) == len(got) and all(_shape(state_dict[v]) == want[k] for k, v in got.items()):
             fits.append(prefix)
     return fits
 
@@ -106,13 +184,15 @@ def fit_to_model(
 ) -> Mapping[str, Any]:
     """``state_dict`` renamed for ``model``'s wrapping, ready for ``model.load_state_dict``;
     ``model`` itself is not touched, so a caller can check everything before changing anything.
+    A key the checkpoint lacks but the model ties to a stored one (see :func:`tied_keys`) is
+    filled from it; the caller's ``state_dict`` is not changed.
 
     Raises:
         StateDictMismatchError: with ``strict``, every missing, unexpected or mis-shaped key.
     """
     adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
     target = model.state_dict()
-    found = check_fit(adapted, target)
+    found = _check_filling_ties(adapted, target)
     if found[1]:  # unexpected keys: the model may sit under a prefix, or beside a copy of itself
         fits = fitting_prefixes(state_dict, target, wrappers=wrappers)
         name = type(unwrap_model(model)).__name__
@@ -127,7 +207,7 @@ def fit_to_model(
             )  # fmt: skip
         if fits and not top:
             adapted = adapt_state_dict(select_prefix(state_dict, fits[0]), model, wrappers=wrappers)
-            found = check_fit(adapted, target)
+            found = _check_filling_ties(adapted, target)
             warnings.warn(
                 f"{source}: loaded the weights under {fits[0]!r}, the only part of the checkpoint that fits "
                 f"{name} by name and shape; pass key={fits[0]!r} to say so and silence this",

@@ -41,7 +41,9 @@ def load_for_rank(
             this rank's device).
         model: when given, the weights are found in the checkpoint (top level, or under
             ``state_dict``/``model``/``model_state_dict``/``module``...), their wrapper prefixes
-            (``module.``, ``_orig_mod.``, nested) adapted to ``model``'s, and loaded.
+            (``module.``, ``_orig_mod.``, nested) adapted to ``model``'s, and loaded. Tied
+            weights stored once (safetensors' ``save_model``, ``save_pretrained``) load as with
+            ``safetensors.torch.load_model``: the names the model ties to the stored one share it.
         map_location: overrides the per-rank device mapping (as ``torch.load``'s).
         key: where the weights are, e.g. ``"ema"`` or ``"ema/model"``.
         strict: when True (default), any missing, unexpected or mis-shaped key raises
