@@ -5,28 +5,74 @@ data goes to a temp file in the same folder (same filesystem, so the rename is a
 flushed and fsynced, renamed over the target with ``os.replace``, and the folder is fsynced so
 the rename itself survives a power cut. Temp files carry the writer's host and pid, so a later
 writer can remove the debris of a writer that was killed (kill -9 runs no cleanup code).
+
+A temp name is ``.{dest}.{host}-{pid}-{random}.ckptkit-tmp``. The host part is the whole host
+name (or, where that is long or not filename-safe, a digest of it): on a shared filesystem a pid
+means something only on the host that wrote it, so two hosts must never share a tag.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import platform
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CheckpointWriteError
 
 TMP_SUFFIX = ".ckptkit-tmp"
-_HOST = re.sub(r"[^A-Za-z0-9]", "", platform.node())[:16] or "host"  # platform, not socket: a lighter import
+# A host name kept as it is: RFC 1123's letters, digits and hyphens. No dot, so the last dot of a
+# temp name always ends the destination's part; no underscore, so it never looks like a digest tag.
+_PLAIN_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,39}")
+_HOST_TAG_MAX = 40
+# 255 bytes per name (ext4, xfs, btrfs, NFS): the destination's part gets what the rest leaves,
+# 255 - 2 dots - host tag (<= 40) - "-" pid (<= 10 digits) "-" random (8) - suffix (12) = 181.
+_STEM_MAX = 180
+
+
+def host_tag(name: str) -> str:
+    """The filename-safe tag for host ``name`` in temp names; different hosts get different tags.
+
+    A short name of letters, digits and hyphens is kept whole. Any other name (a dotted FQDN, a
+    long one, an empty one) becomes up to 16 of its safe characters, ``_``, and 20 hex digits of
+    its SHA-256: never cut short, since ``llama-train-worker-0`` and ``-1`` cut to 16
+    characters are one host, and one would delete the other's temp files as a dead pid's.
+
+    Example:
+        >>> host_tag("llama-train-worker-0")
+        'llama-train-worker-0'
+        >>> host_tag("node1.cluster.example.org")
+        'node1clusterexam_305ec37ce95ae99438aa'
+    """
+    if _PLAIN_HOST.fullmatch(name):
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+    return f"{re.sub(r'[^A-Za-z0-9-]', '', name)[:16]}_{digest}"
+
+
+_HOST = host_tag(platform.node())  # platform, not socket: a lighter import
+
+
+def name_stem(dest: Path) -> str:
+    """``dest``'s name, or where it is too long to carry a temp name's additions within 255
+    bytes, its start and a digest of the whole (so two long names still differ)."""
+    if len(os.fsencode(dest.name)) <= _STEM_MAX:
+        return dest.name
+    digest = hashlib.sha256(os.fsencode(dest.name)).hexdigest()[:16]
+    head = dest.name[: _STEM_MAX - 17]
+    while len(os.fsencode(head)) > _STEM_MAX - 17:  # multi-byte characters: cut on a character
+        head = head[:-1]
+    return f"{head}~{digest}"
 
 
 def temp_path(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.{_HOST}-{os.getpid()}-{os.urandom(4).hex()}{TMP_SUFFIX}")
+    return dest.with_name(f".{name_stem(dest)}.{_HOST}-{os.getpid()}-{os.urandom(4).hex()}{TMP_SUFFIX}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -43,20 +89,22 @@ def remove_stale_temps(dest: Path) -> list[Path]:
     """Delete temp files (and temp folders, :mod:`.atomicdir`'s) for ``dest`` left by dead writers on
     this host; return what was removed.
 
-    Only files whose recorded pid is no longer alive on this host are touched, so a concurrent
-    writer (another process, or another host sharing the folder) is never disturbed.
+    Only temps whose host tag is this host's and whose recorded pid is no longer alive here are
+    touched, so a concurrent writer (another process, or another host sharing the folder) is
+    never disturbed.
     """
-    pattern = re.compile(
-        rf"^\.{re.escape(dest.name)}\.(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]+{re.escape(TMP_SUFFIX)}$"
-    )
+    prefix = f".{name_stem(dest)}.{_HOST}-"
+    # pid and random part only: a host whose tag merely starts with ours (``worker-1`` and
+    # ``worker-1-a``) leaves one more ``-`` field, which this refuses.
+    rest = re.compile(rf"(?P<pid>\d+)-[0-9a-f]+{re.escape(TMP_SUFFIX)}")
     removed: list[Path] = []
     try:
         entries = list(os.scandir(dest.parent))
     except OSError:
         return removed
     for entry in entries:
-        m = pattern.match(entry.name)
-        if m and m["host"] == _HOST and not _pid_alive(int(m["pid"])):
+        m = rest.fullmatch(entry.name[len(prefix) :]) if entry.name.startswith(prefix) else None
+        if m and not _pid_alive(int(m["pid"])):
             with contextlib.suppress(FileNotFoundError):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)
@@ -96,14 +144,23 @@ def describe_error(e: OSError, dest: Path) -> str:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+def atomic_write(path: str | os.PathLike[str], *, check: Callable[[Path], None] | None = None) -> Iterator[BinaryIO]:
     """Open a temp file that replaces ``path`` atomically and durably when the block succeeds.
 
     On any exception (including KeyboardInterrupt) the temp file is removed and ``path`` is left
     as it was. OS errors are re-raised as :class:`CheckpointWriteError` naming the cause.
 
+    Args:
+        path: the file to write; its folder must exist.
+        check: called with the temp file's path once the data is flushed, fsynced and closed,
+            before it replaces ``path``: verify what was written there. If it raises, the temp
+            file is removed, ``path`` keeps its old bytes, and the exception propagates unchanged.
+
     Example:
-        >>> with atomic_write("ckpt.pt") as f:  # doctest: +SKIP
+        >>> def nonempty(tmp: Path) -> None:  # doctest: +SKIP
+        ...     if tmp.stat().st_size == 0:
+        ...         raise CheckpointWriteError(f"{tmp}: nothing was written; ckpt.pt keeps its old contents")
+        >>> with atomic_write("ckpt.pt", check=nonempty) as f:  # doctest: +SKIP
         ...     f.write(payload)
     """
     dest = Path(path)
@@ -115,21 +172,32 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         raise CheckpointWriteError(f"cannot write {dest}: it is a folder; give a file path")
     remove_stale_temps(dest)
     tmp = temp_path(dest)
+    mine = True  # whether a file at ``tmp`` can only be this call's
+    checking = False
+    # The temp file is created inside this try: a signal the CLI turns into an exception can land
+    # just after os.open returns, and the file it made must go too. A file at ``tmp`` is ours
+    # unless os.open said it existed: the name is unique (host, pid, random bits) and O_EXCL.
     try:
-        # 0o666 lets the umask decide, as a plain open() would (mkstemp would force 0o600).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as e:
-        raise CheckpointWriteError(describe_error(e, dest)) from e
-    try:
+        try:
+            # 0o666 lets the umask decide, as a plain open() would (mkstemp would force 0o600).
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            mine = False
+            raise
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if check is not None:
+            checking = True
+            check(tmp)
+            checking = False
         os.replace(tmp, dest)
     except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
+        if mine:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and not checking:
             raise CheckpointWriteError(describe_error(e, dest)) from e
         raise
     try:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ArgumentError, CheckpointWriteError, spell, summarize
-from .atomic import describe_error, fsync_dir, remove_stale_temps, temp_path
+from .atomic import describe_error, fsync_dir, name_stem, remove_stale_temps, temp_path
 
 _RENAME_EXCHANGE = 2
 
@@ -52,20 +52,34 @@ def _install(tmp: Path, dest: Path) -> None:
         return
     # Not a temp name: were this process killed between the renames, the old folder must stay
     # for the user to find (remove_stale_temps would delete a dead writer's temp folder).
-    old = dest.with_name(f".{dest.name}.replaced-{os.getpid()}-{os.urandom(4).hex()}")
+    old = dest.with_name(f".{name_stem(dest)}.replaced-{os.getpid()}-{os.urandom(4).hex()}")
     os.rename(dest, old)
     os.rename(tmp, dest)
     shutil.rmtree(old)
 
 
 @contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_folder(path: str | os.PathLike[str], *, check: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """A temp folder that replaces ``path`` atomically and durably when the block succeeds.
 
     Write the files inside the yielded folder and fsync each. On any exception (including
     KeyboardInterrupt) the temp folder is removed and ``path`` is left as it was. OS errors are
     re-raised as :class:`CheckpointWriteError` naming the cause. The caller decides whether an
     existing ``path`` may be replaced.
+
+    Args:
+        path: the folder to write; its parent must exist.
+        check: called with the temp folder's path once the block has finished and the folder is
+            fsynced, before it replaces ``path``: verify what was written there. If it raises, the
+            temp folder is removed, ``path`` is left as it was, and the exception propagates
+            unchanged.
+
+    Example:
+        >>> def has_index(tmp: Path) -> None:  # doctest: +SKIP
+        ...     if not (tmp / "model.safetensors.index.json").is_file():
+        ...         raise CheckpointWriteError(f"{tmp}: no index was written; out/ is left as it was")
+        >>> with atomic_folder("out", check=has_index) as tmp:  # doctest: +SKIP
+        ...     write_shards(tmp)
     """
     dest = Path(path)
     parent = dest.parent
@@ -78,18 +92,29 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise CheckpointWriteError(f"cannot write folder {dest}: a file has that name; remove it or choose another")
     remove_stale_temps(dest)
     tmp = temp_path(dest)
+    mine = True  # whether a folder at ``tmp`` can only be this call's
+    checking = False
+    # The temp folder is made inside this try, as atomic_write makes its file: a signal turned
+    # into an exception just after mkdir returns must still remove it. The name is unique and
+    # mkdir fails if it exists, so a folder there is ours unless mkdir said it existed.
     try:
-        os.mkdir(tmp)
-    except OSError as e:
-        raise CheckpointWriteError(describe_error(e, dest)) from e
-    try:
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:
+            mine = False
+            raise
         yield tmp
         fsync_dir(tmp)
+        if check is not None:
+            checking = True
+            check(tmp)
+            checking = False
         _install(tmp, dest)
         fsync_dir(parent)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
+        if mine:
+            shutil.rmtree(tmp, ignore_errors=True)  # absent (interrupted before mkdir) is fine
+        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and not checking:
             raise CheckpointWriteError(describe_error(e, dest)) from e
         raise
 
