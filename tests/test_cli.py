@@ -292,3 +292,33 @@ def test_a_selection_from_safetensors_writes_only_what_it_selects(tmp_path: Path
     expected = {"w": both["student.w"]} if "--key" in extra else {"teacher.w": both["teacher.w"], "w": both["student.w"]}
     assert sorted(got) == sorted(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
     assert ckptkit.verify_checkpoint(dst).ok and no_temps(tmp_path)
+
+
+def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: defect 1 brought back on purpose (a selection's header over the whole data
+    section): the writer's check refuses the file, and --force leaves the old DST as it was."""
+    from safetensors.torch import save_file
+
+    import ckptkit.formats.rewrite as fp
+
+    save_file({"teacher.w": torch.arange(1000.0), "student.w": torch.arange(1010.0)}, tmp_path / "both.safetensors")
+    dst = tmp_path / "s.safetensors"
+    ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
+    good = dst.read_bytes()
+    monkeypatch.setattr(fp, "write_safetensors", lambda f, src, state, progress, **kw: fp.rename_safetensors(f, src, state, progress))
+    code, _, err = run("convert", tmp_path / "both.safetensors", dst, "--force", "--key", "student.", "--model-only")
+    assert code == 1 and "fails its own check" in err and len(err.strip().splitlines()) == 1, err
+    assert dst.read_bytes() == good and no_temps(tmp_path)
+
+
+def test_a_save_that_fails_its_own_check_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptkit._sttorch as sttorch
+
+    dst = tmp_path / "m.safetensors"
+    ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
+    good = dst.read_bytes()
+    header = b'{"w":{"dtype":"F32","shape":[9],"data_offsets":[0,36]}}'  # 36 bytes of data, none written
+    monkeypatch.setattr(sttorch, "save_tensors", lambda f, obj: f.write(len(header).to_bytes(8, "little") + header))
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="fails its own check"):
+        ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
+    assert dst.read_bytes() == good and no_temps(tmp_path)

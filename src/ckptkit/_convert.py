@@ -31,7 +31,7 @@ from .formats.atomicdir import check_folder_destination
 from .formats.detect import DCP, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
 from .formats.hfshards import DEFAULT_MAX_SHARD_SIZE, parse_size, shard_note
 from .formats.hfwrite import check_destination, write_shards
-from .formats.integrity import check_recorded_crcs
+from .formats.integrity import check_recorded_crcs, check_written
 from .formats.source import checkpoint_bytes
 from .formats.torchpickle import UnsupportedGlobal
 from .prefix import rewrite_prefixes
@@ -253,7 +253,7 @@ class _Job:
         if self.out_fmt in (HF, DCP):  # a folder: its writer owns the temp folder and the swap
             written = write(None, out, new_state)
         else:
-            with atomic_write(self.dest) as f:
+            with atomic_write(self.dest, check=lambda tmp: check_written(tmp, self.out_fmt, dest=self.dest)) as f:
                 write(f, out, new_state)
         hf: Any = written if self.out_fmt == HF else None  # formats.hfwrite.Written
         before, after = renamed_prefixes(list(state), list(new_state))

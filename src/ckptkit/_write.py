@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 from .errors import ArgumentError, CheckpointWriteError, CkptkitError
 from .formats.atomic import atomic_write
 from .formats.detect import SAFETENSORS, ZIP, Format
+from .formats.integrity import check_written
 
 # .tar: torchvision's ImageNet example saves "model_best.pth.tar", a plain torch file.
 SUFFIX_FORMATS: dict[str, Format] = {
@@ -56,7 +57,7 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     """
     dest = Path(path)
     fmt = format_for(dest)
-    with atomic_write(dest) as f:
+    with atomic_write(dest, check=lambda tmp: check_written(tmp, fmt, dest=dest)) as f:
         write_to(f, obj, fmt, dest)
 
 

@@ -24,9 +24,10 @@ from ..errors import summarize
 from . import dcpcopy
 from . import dcpstream as dcps
 from .atomicdir import atomic_folder, check_folder_destination
-from .detect import HF_INDEXES
+from .detect import HF, HF_INDEXES
 from .fileio import Progress
 from .hfshards import HF_FILE, drop_tied, index_bytes, split
+from .integrity import check_written
 from .rewrite import NeedsTorch, Source, locate, write_safetensors
 
 _OPEN_AT_MOST = 64  # shard files kept open for their fsync at the end (well under any descriptor limit)
@@ -58,7 +59,7 @@ def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, 
     ``_OPEN_AT_MOST`` files the oldest is synced and closed early."""
     one = len(written.files) == 1
     meta = {"format": "pt", **(written.tied if one else {})}
-    with atomic_folder(dest) as tmp, contextlib.ExitStack() as files:  # files close before the folder's rename
+    with atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp, contextlib.ExitStack() as files:  # files close before the folder's rename
         unsynced: list[BinaryIO] = []
         for file in [*written.files, *([] if one else [HF_INDEXES[0]])]:
             f = files.enter_context(open(tmp / file, "xb"))

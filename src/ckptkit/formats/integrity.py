@@ -17,9 +17,10 @@ import os
 import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from ..errors import PARSE_ERRORS, CheckpointFormatError, summarize
+from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, summarize
 from . import modulepickle as mp
 from . import torchpickle as tp
 from .bounds import storage_problem, tensor_problems, tensors_in
@@ -214,6 +215,47 @@ def check_recorded_crcs(path: str | os.PathLike[str], fmt: str, *, progress: Pro
                     begin, end = e["data_offsets"]
                     damage.check(name, recorded[name], crc_of_range(f, start + begin, end - begin, progress))
         damage.raise_if_any()
+
+
+def check_written(path: Path, fmt: str, *, dest: Path) -> None:
+    """A writer's check of what it wrote to ``path``, before it replaces ``dest``: the structure
+    (a safetensors header tiling its data section, a zip directory whose records, storages and
+    tensors fit one another, a shard index naming its shards). Payload CRCs are not read again:
+    the writers compute them as they write.
+
+    Raises:
+        CheckpointWriteError: naming ``dest`` and what failed; nothing is published.
+
+    Example:
+        >>> check_written(tmp, "safetensors", dest=Path("model.safetensors"))  # doctest: +SKIP
+    """
+    try:
+        if fmt == HF:
+            shards = read_index(path).shards if any(path.glob("*.index.json")) else [p.name for p in path.glob("*.safetensors")]
+            checks = [c for shard in shards for c in _file_checks(path / shard, SAFETENSORS)]
+        else:
+            checks = _file_checks(path, fmt)
+    except CheckpointFormatError as e:
+        checks = [Check("structure", "integrity", False, str(e).replace(str(path), str(dest)))]
+    failed = [f"{c.name}: {c.detail}" for c in checks if c.kind == "integrity" and not c.ok]
+    if failed:
+        raise CheckpointWriteError(
+            f"cannot write {dest}: what was written fails its own check ({'; '.join(failed)}), so it was not "
+            f"published and {dest} is as it was; this is a ckptkit bug, please report it with the command that did it"
+        )
+
+
+def _file_checks(path: Path, fmt: str) -> list[Check]:
+    if fmt == SAFETENSORS:
+        with open(path, "rb") as f:
+            return safetensors_checks(f, str(path), full=False)
+    if fmt == ZIP:
+        with TorchZip(str(path)) as z:  # opening checks the directory and every record's header
+            try:
+                return zip_checks(z, full=False)[0]
+            except CheckpointFormatError:  # a pickle the stand-ins do not model: torch's pickler wrote it
+                return []
+    return []
 
 
 def _stand_ins(z: TorchZip) -> Any:
