@@ -11,7 +11,7 @@ this; README's "Architecture" section lists every module):
 
 3. ``ckptkit.cli`` and ``ckptkit.train``: clients of the public API only;
 2. the public API's front: this package, ``_convert``, ``_inspect``, ``_diff``, ``_load``;
-1. ``ckptkit.dist`` (collectives, the rank-0 protocol, async saving, checkpoint folders,
+1. ``ckptkit.distributed`` (collectives, the rank-0 protocol, async saving, checkpoint folders,
    preemption) beside the read/write/verify/state/fit/prefix/RNG/sampler modules;
 0. ``ckptkit.errors`` and ``ckptkit.formats``: torch-free readers and writers; never torch.
 
@@ -31,7 +31,7 @@ from .errors import CkptkitError
 __version__ = "0.2.0"
 
 _PUBLIC: dict[str, str] = {
-    "save_on_master": ".dist.rank0",
+    "save_on_master": ".distributed.rank0",
     "write_checkpoint": "._write",
     "load_for_rank": "._load",
     "read_checkpoint": "._read",
@@ -40,9 +40,9 @@ _PUBLIC: dict[str, str] = {
     "load_training_state": "._resume",
     "TrainingState": "._resume",
     "ResumableDistributedSampler": "._sampler",
-    "AsyncSaver": ".dist.async_save",
-    "CheckpointFolder": ".dist.folder",
-    "StopSignal": ".dist.preempt",
+    "AsyncSaver": ".distributed.async_save",
+    "CheckpointFolder": ".distributed.folder",
+    "StopSignal": ".distributed.preempt",
     "convert_checkpoint": "._convert",
     "inspect_checkpoint": "._inspect",
     "diff_checkpoints": "._diff",
@@ -96,8 +96,8 @@ if TYPE_CHECKING:
     from ._unwrap import unwrap_model
     from ._verify import verify_checkpoint
     from ._write import write_checkpoint
-    from .dist.async_save import AsyncSaver
-    from .dist.folder import CheckpointFolder
-    from .dist.preempt import StopSignal
-    from .dist.rank0 import save_on_master
+    from .distributed.async_save import AsyncSaver
+    from .distributed.folder import CheckpointFolder
+    from .distributed.preempt import StopSignal
+    from .distributed.rank0 import save_on_master
     from .prefix import add_prefix, strip_prefix

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dist import collectives
+from .distributed import collectives
 from .errors import ArgumentError
 
 MapLocation = Any  # str | torch.device | dict[str, str] | Callable[[storage, str], storage]

@@ -20,7 +20,7 @@ from ._read import read_checkpoint
 from ._rng import restore_rng_state
 from ._safety import AllowGlobals
 from ._state import FORMAT, is_module, shape_of
-from .dist import collectives as _dist
+from .distributed import collectives as _dist
 from .errors import ResumeError
 from .prefix import WRAPPER_PREFIXES
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from .dist import collectives as _dist
+from .distributed import collectives as _dist
 from .errors import ArgumentError, ResumeError
 
 

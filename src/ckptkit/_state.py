@@ -23,8 +23,8 @@ from typing import Any
 
 from ._rng import capture_rng_state
 from ._unwrap import unwrap_model
-from .dist import collectives as _dist
-from .dist.rank0 import save_on_master
+from .distributed import collectives as _dist
+from .distributed.rank0 import save_on_master
 from .errors import ArgumentError
 
 FORMAT = 1
