@@ -1,6 +1,6 @@
 """Wall and CPU time of ckptkit's checked copy (``fileio.copy_range``) when the bytes land at
 another offset within a page than in their source, by ``copy_file_range`` and by ``splice``
-through a 1 MiB pipe (``formats/kcopy.py``), against the same copy page for page. The pipe is
+through a 1 MiB pipe (``io/kcopy.py``), against the same copy page for page. The pipe is
 taken on ext4 alone: elsewhere its row shows 0 splice calls and measures copy_file_range.
 
     python benchmarks/bench_kcopy.py --runs 10 --dir /path/on/the/disk
@@ -29,7 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_convert import spread  # noqa: E402
-from ckptkit.formats import fileio, kcopy  # noqa: E402
+from ckptkit.io import (
+    fileio,
+    kcopy,  # noqa: E402
+)
 
 SRC_AT = (1 << 20) + 1728
 

@@ -78,7 +78,7 @@ def _imports_torch(module: str, seen: frozenset[str] = frozenset()) -> bool:
 
 
 def test_formats_never_imports_torch() -> None:
-    formats = sorted(m for m in MODULES if m.startswith("ckptkit.formats"))
+    formats = sorted(m for m in MODULES if m.startswith(("ckptkit.formats", "ckptkit.io")))
     assert len(formats) > 10
     script = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in formats)
     script += "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
@@ -108,7 +108,7 @@ def test_no_import_cycles() -> None:
 # The layers, bottom up; README's "Architecture" section describes the same table. A new module
 # must be placed here before this test passes.
 LAYERS: dict[str, int] = {
-    "ckptkit.errors": 0, "ckptkit.formats": 0,
+    "ckptkit.errors": 0, "ckptkit.io": 0, "ckptkit.formats": 0,
     "ckptkit.distributed": 1, "ckptkit._read": 1, "ckptkit._torchload": 1, "ckptkit._dcpread": 1, "ckptkit._dcpwrite": 1, "ckptkit._write": 1,
     "ckptkit._verify": 1, "ckptkit._state": 1, "ckptkit._fit": 1, "ckptkit.prefix": 1, "ckptkit._layout": 1,
     "ckptkit._rng": 1, "ckptkit._sampler": 1, "ckptkit._safety": 1, "ckptkit._devices": 1, "ckptkit._sttorch": 1,
@@ -133,11 +133,17 @@ def test_nothing_imports_upward(module: str) -> None:
     assert not upward, f"{module} (layer {_layer(module)}) imports {upward} from above"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ckptkit.formats")))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(("ckptkit.formats", "ckptkit.io"))))
 def test_formats_imports_only_formats_and_errors(module: str) -> None:
     top, inner, torch = GRAPH[module]
     assert not torch
-    assert {m for m in top | inner if m.startswith("ckptkit") and not m.startswith("ckptkit.formats")} <= {"ckptkit.errors"}
+    assert {m for m in top | inner if m.startswith("ckptkit") and not m.startswith(("ckptkit.formats", "ckptkit.io"))} <= {"ckptkit.errors"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ckptkit.io")))
+def test_io_knows_no_format(module: str) -> None:
+    top, inner, _ = GRAPH[module]
+    assert {m for m in top | inner if m.startswith("ckptkit") and not m.startswith("ckptkit.io")} <= {"ckptkit.errors"}
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(("ckptkit.cli", "ckptkit.train"))))

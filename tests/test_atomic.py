@@ -1,4 +1,4 @@
-"""formats.atomic and formats.atomicdir: interrupted writes leave nothing, stale-temp cleanup
+"""io.atomic and io.atomicdir: interrupted writes leave nothing, stale-temp cleanup
 stays on its own host, and a check runs on the finished temp before it is published."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from ckptkit.errors import CheckpointFormatError, CheckpointNotFoundError, CheckpointWriteError, CkptkitError
-from ckptkit.formats import atomic
-from ckptkit.formats.atomic import TMP_SUFFIX, atomic_write, remove_stale_temps
-from ckptkit.formats.atomicdir import atomic_folder
+from ckptkit.io import atomic
+from ckptkit.io.atomic import TMP_SUFFIX, atomic_write, remove_stale_temps
+from ckptkit.io.atomicdir import atomic_folder
 
 
 def temps(folder: Path) -> list[str]:
@@ -111,7 +111,7 @@ def test_a_temp_name_already_taken_is_not_deleted(tmp_path: Path, monkeypatch: p
     else:
         taken.write_bytes(b"theirs")
     monkeypatch.setattr(atomic, "temp_path", lambda _dest: taken)
-    monkeypatch.setattr("ckptkit.formats.atomicdir.temp_path", lambda _dest: taken)
+    monkeypatch.setattr("ckptkit.io.atomicdir.temp_path", lambda _dest: taken)
     with pytest.raises(CheckpointWriteError, match="cannot write .*out"):
         with atomic_folder(dest) if folder else atomic_write(dest):
             pytest.fail("the body must not run when the temp cannot be created")
@@ -135,7 +135,7 @@ def killed_mid_write(host: str, dest: Path) -> str:
         host,
         f"""
         import os, signal
-        from ckptkit.formats.atomic import atomic_write
+        from ckptkit.io.atomic import atomic_write
         with atomic_write({str(dest)!r}) as f:
             f.write(b"partial from {host}")
             f.flush()
@@ -156,7 +156,7 @@ def test_cleanup_leaves_a_dead_pid_temp_of_another_host_with_the_same_name_start
     proc = as_host(
         "llama-train-worker-0",
         f"""
-        from ckptkit.formats.atomic import atomic_write
+        from ckptkit.io.atomic import atomic_write
         with atomic_write({str(dest)!r}) as f:
             f.write(b"complete")
         """,

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.formats.atomic import TMP_SUFFIX
+from ckptkit.io.atomic import TMP_SUFFIX
 from fixtures.models import TiedLM, TinyNet
 from tests.torchfree import run_torch_free
 

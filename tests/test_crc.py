@@ -24,11 +24,11 @@ from click.testing import CliRunner
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.formats import crcmath, fileio
 from ckptkit.formats import torchpickle as lp
-from ckptkit.formats.atomic import TMP_SUFFIX
 from ckptkit.formats.safetensors import read_header
 from ckptkit.formats.torchzip import TorchZip
+from ckptkit.io import crcmath, fileio
+from ckptkit.io.atomic import TMP_SUFFIX
 
 BIG = "fc1.weight"  # 6 MiB: CRC'd through a mapping of the source
 SMALL = "fc2.bias"  # 40 bytes: CRC'd from a read
@@ -289,7 +289,7 @@ def test_without_the_library_installed_zlib_is_used(tmp_path: Path) -> None:
     flip(src, f"module.{SMALL}")
     code = (
         "import sys, zlib; sys.modules['isal'] = None  # as if no wheel was installed\n"
-        "from ckptkit.formats import fileio; assert fileio._crc32 is zlib.crc32, fileio._crc32\n"
+        "from ckptkit.io import fileio; assert fileio._crc32 is zlib.crc32, fileio._crc32\n"
         "from ckptkit.cli import main; main()\n"
     )
     done = subprocess.run([sys.executable, "-c", code, "convert", str(src), str(tmp_path / "out.pt")],

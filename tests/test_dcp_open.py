@@ -24,13 +24,14 @@ import torch
 
 from ckptkit import convert_checkpoint, read_checkpoint
 from ckptkit.errors import CheckpointFormatError
-from ckptkit.formats import dcpstream, torchpickle
-from ckptkit.formats.dcpmeta import read_metadata
-from ckptkit.formats.dcpstream import DcpTensor, open_dcp
-from ckptkit.formats.fileio import crc32
+from ckptkit.formats import torchpickle
+from ckptkit.formats.dcp import stream as dcpstream
+from ckptkit.formats.dcp.meta import read_metadata
+from ckptkit.formats.dcp.stream import DcpTensor, open_dcp
 from ckptkit.formats.rewrite import NeedsTorch
 from ckptkit.formats.torchzip import SliceReader, TorchZip
 from ckptkit.formats.zipcheck import CENTRAL, read_directory
+from ckptkit.io.fileio import crc32
 
 WHERE = "chunk at [0, 0] in __0_0.distcp"
 WHERE_RE = re.escape(WHERE)

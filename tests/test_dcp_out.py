@@ -9,8 +9,8 @@ import torch
 
 import ckptkit
 from ckptkit.errors import ArgumentError, UnsafeCheckpointError
-from ckptkit.formats.atomic import TMP_SUFFIX
-from ckptkit.formats.atomicdir import atomic_folder
+from ckptkit.io.atomic import TMP_SUFFIX
+from ckptkit.io.atomicdir import atomic_folder
 from fixtures.make_dcp_fixtures import TinyGPT
 from tests.group import ok_values, run_group
 

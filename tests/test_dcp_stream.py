@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import CheckpointFormatError
-from ckptkit.formats.atomic import TMP_SUFFIX
-from ckptkit.formats.dcpstream import DcpTensor, open_dcp
+from ckptkit.formats.dcp.stream import DcpTensor, open_dcp
+from ckptkit.io.atomic import TMP_SUFFIX
 from tests.torchfree import limited_memory, run_torch_free
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptkit.formats.atomic import TMP_SUFFIX
+from ckptkit.io.atomic import TMP_SUFFIX
 from tests import dist_workers as w
 from tests.group import ok_values, run_group
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.formats.atomic import TMP_SUFFIX
+from ckptkit.io.atomic import TMP_SUFFIX
 from fixtures.models import TinyNet
 
 

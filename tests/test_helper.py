@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 
-from ckptkit.formats.helper import in_background
+from ckptkit.io.helper import in_background
 
 
 def _helpers() -> list[threading.Thread]:
@@ -84,7 +84,7 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
     """A child has none of its parent's threads: handing it a parent's idle helper would hang."""
     code = (
         "import os, sys\n"
-        "from ckptkit.formats.helper import in_background\n"
+        "from ckptkit.io.helper import in_background\n"
         "assert in_background(sum, [1, 2])() == 3\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"

@@ -180,7 +180,7 @@ def test_the_shards_are_made_durable_after_all_are_written(tmp_path: Path, monke
     """An fsync waits for the disk; syncing each shard before writing the next left the copy
     waiting at every shard. Each file is still synced, before the folder is put in place, and
     through the descriptor that wrote it: a reopened one may miss a failed writeback."""
-    from ckptkit.formats import hfwrite
+    from ckptkit.formats.hf import write as hfwrite
 
     src = tmp_path / "ddp.pt"
     ckptkit.write_checkpoint({f"module.{k}": v for k, v in hf_state_dict().items()}, src)
@@ -268,7 +268,7 @@ def test_a_flipped_bit_in_the_source_fails_and_leaves_no_folder(tmp_path: Path) 
 
 
 def test_a_leftover_temp_folder_of_a_dead_writer_is_removed(tmp_path: Path) -> None:
-    from ckptkit.formats.atomic import temp_path
+    from ckptkit.io.atomic import temp_path
 
     stale = temp_path(tmp_path / "out")
     stale.mkdir()
@@ -281,7 +281,7 @@ def test_a_leftover_temp_folder_of_a_dead_writer_is_removed(tmp_path: Path) -> N
 @pytest.mark.parametrize("existing", [False, True])
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
 def test_an_interrupted_folder_write_leaves_the_old_folder_or_nothing(tmp_path: Path, existing: bool, stop: type[BaseException]) -> None:
-    from ckptkit.formats.atomicdir import atomic_folder
+    from ckptkit.io.atomicdir import atomic_folder
 
     out = tmp_path / "out"
     if existing:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptkit.errors import CheckpointFormatError
-from ckptkit.formats import fileio, kcopy
+from ckptkit.io import fileio, kcopy
 
 MiB = 1 << 20
 needs_splice = pytest.mark.skipif(not hasattr(os, "splice"), reason="os.splice is Linux's")

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.formats.atomic import TMP_SUFFIX
+from ckptkit.io.atomic import TMP_SUFFIX
 
 WRAPPERS = ("module", "_orig_mod")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,

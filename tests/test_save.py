@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.formats.atomic import TMP_SUFFIX
+from ckptkit.io.atomic import TMP_SUFFIX
 from fixtures.models import TiedLM, TinyNet
 
 
@@ -76,7 +76,7 @@ def test_stale_temp_of_a_killed_writer_is_removed(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from ckptkit.formats.atomic import atomic_write
+        from ckptkit.io.atomic import atomic_write
         with atomic_write({str(path)!r}) as f:
             f.write(b"partial")
             f.flush()
@@ -92,7 +92,7 @@ def test_stale_temp_of_a_killed_writer_is_removed(tmp_path: Path) -> None:
 
 
 def test_temp_of_a_live_writer_is_left_alone(tmp_path: Path) -> None:
-    from ckptkit.formats.atomic import _HOST
+    from ckptkit.io.atomic import _HOST
 
     live = tmp_path / f".ckpt.pt.{_HOST}-{os.getpid()}-abcd1234{TMP_SUFFIX}"
     live.write_bytes(b"in progress")

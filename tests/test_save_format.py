@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.formats import fileio, torchzip
+from ckptkit.formats import zipwrite
+from ckptkit.io import fileio
 
 DTYPES = [d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -68,7 +69,7 @@ def test_tied_weights_views_and_a_training_state(tmp_path: Path) -> None:
 
 
 def test_zip64_records_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torchzip, "ZIP64_AT", 1000)  # sizes from 1000 bytes on take zip64: exercised without 4 GB
+    monkeypatch.setattr(zipwrite, "ZIP64_AT", 1000)  # sizes from 1000 bytes on take zip64: exercised without 4 GB
     t = torch.arange(5000, dtype=torch.float32)
     ckptkit.save_on_master({"t": t, "small": torch.ones(3)}, tmp_path / "x.pt")
     _loads_exactly(tmp_path / "x.pt", {"t": t, "small": torch.ones(3)})
@@ -100,6 +101,6 @@ def test_a_record_written_short_or_long_of_its_header_is_refused(tmp_path: Path,
     """add_written writes the header (its sizes from a DCP folder's .metadata) before the bytes
     come: a writer that delivers another count must fail, not leave a zip whose records lie."""
     with open(tmp_path / "out.zip", "wb") as f:
-        w = torchzip.ZipWriter(f)
+        w = zipwrite.ZipWriter(f)
         with pytest.raises(ckptkit.CheckpointFormatError, match=rf"record a/data/0: {written} bytes written, its header says 10"):
             w.add_written("a/data/0", 10, lambda: fileio.write_checked(f, b"x" * written))

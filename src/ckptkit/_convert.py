@@ -22,18 +22,18 @@ from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
 from ._write import SUFFIX_FORMATS, format_for, write_to
 from .errors import ArgumentError, spell, summarize
-from .formats import dcpcopy
-from .formats import dcpstream as dcps
 from .formats import modulepickle as mp
 from .formats import rewrite as fp
-from .formats.atomic import atomic_write
-from .formats.atomicdir import check_folder_destination
+from .formats.dcp import stream as dcps
+from .formats.dcp import write as dcpcopy
 from .formats.detect import DCP, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
-from .formats.hfshards import DEFAULT_MAX_SHARD_SIZE, parse_size, shard_note
-from .formats.hfwrite import check_destination, write_shards
+from .formats.hf.index import DEFAULT_MAX_SHARD_SIZE, parse_size, shard_note
+from .formats.hf.write import check_destination, write_shards
 from .formats.integrity import check_recorded_crcs, check_written
 from .formats.source import checkpoint_bytes
 from .formats.torchpickle import UnsupportedGlobal
+from .io.atomic import atomic_write
+from .io.atomicdir import check_folder_destination
 from .prefix import rewrite_prefixes
 
 
@@ -255,7 +255,7 @@ class _Job:
         else:
             with atomic_write(self.dest, check=lambda tmp: check_written(tmp, self.out_fmt, dest=self.dest)) as f:
                 write(f, out, new_state)
-        hf: Any = written if self.out_fmt == HF else None  # formats.hfwrite.Written
+        hf: Any = written if self.out_fmt == HF else None  # formats.hf.write.Written
         before, after = renamed_prefixes(list(state), list(new_state))
         return ConvertReport(
             source=str(self.source),

@@ -20,7 +20,7 @@ from ._devices import MapLocation, single_device
 from ._safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
 from .errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError
 from .formats.dcp import unsafe_metadata_globals
-from .formats.dcpmeta import read_metadata
+from .formats.dcp.meta import read_metadata
 from .formats.scan import pickle_globals
 from .formats.source import NeedsTorch
 from .formats.torchpickle import UnsupportedGlobal

@@ -1,7 +1,7 @@
 """Write a state dict as a torch.distributed.checkpoint (DCP) folder, atomically.
 
 DCP's own writer (``FileSystemWriter``, one process, no process group) writes into a temp
-folder beside the destination, which appears whole or not at all (:func:`.formats.atomicdir.atomic_folder`).
+folder beside the destination, which appears whole or not at all (:func:`.io.atomicdir.atomic_folder`).
 The object comes from ckptkit's safe readers: nothing was unpickled that the caller did not admit
 (torch's ``format_utils.torch_to_dcp`` would ``torch.load`` the source with ``weights_only=False``).
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from ._dcpread import first_failure
 from .errors import ArgumentError, CheckpointWriteError, CkptkitError, spell
-from .formats.atomicdir import atomic_folder
+from .io.atomicdir import atomic_folder
 
 
 def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ._layout import find_model_state
 from ._safety import AllowGlobals
-from .formats.hfshards import shard_note
+from .formats.hf.index import shard_note
 from .prefix import rewrite_prefixes
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face sharded folders from torch tensors: the torch side of :mod:`.formats.hfwrite`, for
+"""Hugging Face sharded folders from torch tensors: the torch side of :mod:`.formats.hf.write`, for
 sources only torch reads (legacy files, DCP folders, trusted pickles).
 
 Example:
@@ -15,7 +15,7 @@ import torch
 
 from ._sttorch import save_tensors
 from .errors import ArgumentError, summarize
-from .formats.hfwrite import Written, plan, write_folder
+from .formats.hf.write import Written, plan, write_folder
 from .formats.source import NeedsTorch
 
 

@@ -20,13 +20,13 @@ from typing import Any
 from ._layout import find_model_state
 from ._safety import AllowGlobals, filter_unsafe
 from .errors import CheckpointFormatError, LayoutError
-from .formats import dcpstream as dcps
 from .formats import modulepickle as mp
 from .formats import rewrite as fp
 from .formats import torchpickle as tp
+from .formats.dcp import stream as dcps
 from .formats.detect import DCP, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.dtypes import BY_SAFETENSORS
-from .formats.hfshards import shard_note
+from .formats.hf.index import shard_note
 from .formats.scan import checkpoint_globals
 from .formats.source import checkpoint_bytes
 from .prefix import detect_prefixes

@@ -16,7 +16,7 @@ from ._sttorch import load_tensors
 from ._torchload import torch_load
 from .errors import CheckpointFormatError
 from .formats.detect import DCP, HF, SAFETENSORS, detect_format
-from .formats.hfshards import check_shard_keys, read_index, shard_note
+from .formats.hf.index import check_shard_keys, read_index, shard_note
 
 
 def read_checkpoint(

@@ -20,8 +20,8 @@ from safetensors import SafetensorError, safe_open
 
 from .errors import ArgumentError, CheckpointFormatError, summarize
 from .formats.dtypes import BY_NAME
-from .formats.fileio import crc32
 from .formats.safetensors import ALIASES_KEY, insert_aliases, parse_aliases, read_header, write_with_crcs
+from .io.fileio import crc32
 
 
 def torch_dtype_codes() -> dict[Any, str]:

@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .formats.fileio import Progress
-from .formats.torchzip import ZipWriter
+from .formats.zipwrite import ZipWriter
+from .io.fileio import Progress
 
 _PREFIX = "archive/"
 _SAVE_PARAMETERS = ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]

@@ -26,15 +26,15 @@ from .errors import (
     summarize,
 )
 from .formats.dcp import unsafe_metadata_globals
-from .formats.dcpstream import chunk_crc_check, open_dcp
+from .formats.dcp.stream import chunk_crc_check, open_dcp
 from .formats.detect import DCP, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
-from .formats.fileio import Progress
-from .formats.hfshards import read_index, shard_note
+from .formats.hf.index import read_index, shard_note
 from .formats.integrity import Check, safetensors_checks, zip_checks
 from .formats.scan import checkpoint_globals, pickle_globals
 from .formats.source import NeedsTorch, checkpoint_bytes, open_source
 from .formats.torchpickle import UnsupportedGlobal
 from .formats.torchzip import TorchZip
+from .io.fileio import Progress
 
 
 @dataclass

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import ArgumentError, CheckpointWriteError, CkptkitError
-from .formats.atomic import atomic_write
 from .formats.detect import SAFETENSORS, ZIP, Format
 from .formats.integrity import check_written
+from .io.atomic import atomic_write
 
 # .tar: torchvision's ImageNet example saves "model_best.pth.tar", a plain torch file.
 SUFFIX_FORMATS: dict[str, Format] = {

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .._verify import verify_checkpoint
 from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, CheckpointWriteError, CkptkitError
-from ..formats.atomic import atomic_write
+from ..io.atomic import atomic_write
 from . import collectives as _dist
 from .rank0 import rebuild_error
 

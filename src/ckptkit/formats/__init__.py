@@ -3,16 +3,21 @@
 Everything in this package is torch-free: it never imports torch, directly or through another
 module, so ``ckptkit convert`` and ``inspect`` run at copy speed and start in milliseconds
 (``tests/test_architecture.py`` imports each module in a fresh interpreter to hold that).
-Modules:
+Modules, by format:
 
 - ``detect``: which format a path holds; ``dtypes``: the one dtype table;
-- ``torchzip``/``zipcheck``: torch's zip container, read and written (``zipcheck``: its
-  directory, read by miniz's rules); ``torchpickle``: torch's pickles read through inert
-  stand-ins, ``torchdump``: written from them; ``bounds``: declared sizes against real bytes;
-- ``safetensors``: the safetensors codec; ``dcp``: torch.distributed.checkpoint metadata;
-- ``scan``: which globals a pickle would import, without importing them;
-- ``rewrite``: renaming a checkpoint's keys by copying its bytes; ``fileio``/``atomic``: bounded
-  reads, checked copies, CRC-32 and atomic durable writes; ``kcopy``: the kernel's copies
-  (``copy_file_range``, or ``splice`` through a pipe); ``pages``: where a long copy lands within
-  a page.
+- torch's zip: ``torchzip`` (the container, read and written), ``zipcheck`` (its directory, read
+  by miniz's rules), ``torchpickle`` (its pickles read through inert stand-ins), ``torchdump``
+  (written from them), ``modulepickle`` (a whole pickled module read as its state dict),
+  ``bounds`` (declared sizes against real bytes), ``scan`` (the globals a pickle would import);
+- ``safetensors``: the safetensors codec;
+- ``dcp/``: torch.distributed.checkpoint: its metadata's globals (the package), ``meta`` (the
+  metadata read through stand-ins), ``stream`` (a folder's tensors as chunk byte ranges),
+  ``write`` (those copied into a torch zip or safetensors);
+- ``hf/``: Hugging Face shards: ``index``, ``write``;
+- across formats: ``source`` (a file opened as its tensors' byte ranges), ``rewrite`` (renaming a
+  checkpoint's keys by copying its bytes), ``integrity`` (is it intact; a writer's check before
+  it publishes).
+
+Files themselves (atomic writes, the checked copy, CRC-32) are ``ckptkit.io``, below this.
 """

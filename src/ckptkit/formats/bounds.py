@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError, summarize
+from ..io.fileio import ClampedReader
 from . import torchpickle as lp
 from .detect import LEGACY, ZIP
-from .fileio import ClampedReader
 from .torchzip import TorchZip
 
 

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, summarize
+from ..io.fileio import Progress, crc32, crc_of_range
 from . import modulepickle as mp
 from . import torchpickle as tp
 from .bounds import storage_problem, tensor_problems, tensors_in
 from .detect import HF, SAFETENSORS, ZIP, detect_format
-from .fileio import Progress, crc32, crc_of_range
-from .hfshards import read_index
+from .hf.index import read_index
 from .safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
 from .torchzip import Record, TorchZip
 

@@ -20,16 +20,17 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..errors import ArgumentError, CheckpointFormatError, summarize
+from ..io.fileio import Progress, copy_range, crc_of_range
+from ..io.pages import page_residue
 from . import torchpickle as lp
 from .detect import SAFETENSORS
 from .dtypes import BY_NAME, BY_SAFETENSORS
-from .fileio import Progress, copy_range, crc_of_range
 from .integrity import Damage, record_crc, record_tensors, tensors_named
-from .pages import page_residue
 from .safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, write_with_crcs
 from .source import NeedsTorch, Source, StRef, is_leaf, open_source
 from .torchdump import dumps
-from .torchzip import Record, ZipWriter
+from .torchzip import Record
+from .zipwrite import ZipWriter
 
 __all__ = ["NeedsTorch", "Source", "StRef", "is_leaf", "locate", "new_tensor", "open_source", "rename_safetensors",
            "write_safetensors", "write_torch_zip"]  # fmt: skip

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
+from ..io.pages import PAGE
 from .dtypes import BY_SAFETENSORS
-from .pages import PAGE
 
 DTYPE_SIZES: dict[str, int] = {code: d.itemsize for code, d in BY_SAFETENSORS.items()}
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces

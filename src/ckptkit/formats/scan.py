@@ -21,8 +21,8 @@ import zipfile
 from typing import Any, BinaryIO, cast
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError
+from ..io.fileio import ClampedReader
 from .detect import LEGACY, ZIP, detect_format
-from .fileio import ClampedReader
 from .torchpickle import python3_name
 
 _STRING_OPS = frozenset(

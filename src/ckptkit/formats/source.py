@@ -19,7 +19,7 @@ from . import modulepickle as mp
 from . import torchpickle as lp
 from .bounds import check_tensors
 from .detect import DCP, HF, SAFETENSORS, ZIP, detect_format
-from .hfshards import HfIndex, check_shard_keys, read_index
+from .hf.index import HfIndex, check_shard_keys, read_index
 from .safetensors import insert_aliases, parse_aliases, parse_crcs, read_header
 from .torchzip import TorchZip
 

@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from ..errors import CheckpointFormatError, summarize
-from . import torchpickle as lp
-from .crcmath import crc32_combine
-from .dcpmeta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
-from .dtypes import BY_NAME
-from .fileio import Progress, copy_range, crc_of_range
-from .integrity import Check, Damage
-from .rewrite import NeedsTorch
-from .torchzip import SliceReader, TorchZip
+from ...errors import CheckpointFormatError, summarize
+from ...io.crcmath import crc32_combine
+from ...io.fileio import Progress, copy_range, crc_of_range
+from .. import torchpickle as lp
+from ..dtypes import BY_NAME
+from ..integrity import Check, Damage
+from ..rewrite import NeedsTorch
+from ..torchzip import SliceReader, TorchZip
+from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
 
 _MAX_VALUE = 64 << 20  # a non-tensor value's pickle read into memory; larger ones go through torch
 _WINDOW = 4096  # bytes read up front at each end of a chunk's zip: its headers, small records and directory

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import PARSE_ERRORS, CheckpointFormatError
-from . import torchpickle as lp
-from .dcp import is_dcp_class
-from .detect import DCP_METADATA
-from .dtypes import BY_NAME
-from .rewrite import NeedsTorch
+from ...errors import PARSE_ERRORS, CheckpointFormatError
+from .. import torchpickle as lp
+from ..detect import DCP_METADATA
+from ..dtypes import BY_NAME
+from ..rewrite import NeedsTorch
+from . import is_dcp_class
 
 _META = "torch.distributed.checkpoint.metadata."
 

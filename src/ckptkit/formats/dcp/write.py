@@ -1,6 +1,6 @@
 """A DCP folder written out as one file, torch-free: each tensor its chunks' bytes, in order.
 
-The folder is opened by :mod:`.dcpstream` (its tensors as :class:`~.dcpstream.DcpTensor`, the
+The folder is opened by :mod:`.stream` (its tensors as :class:`~.stream.DcpTensor`, the
 pieces of ``.distcp`` files they are made of); these writers copy the pieces kernel-side, each
 checked against its chunk's CRC-32 while copied, into a torch zip or a safetensors file.
 
@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
-from ..errors import ArgumentError, summarize
-from .dcpstream import DcpSource, DcpTensor, is_leaf
-from .dtypes import BY_NAME
-from .fileio import Progress
-from .rewrite import new_tensor
-from .safetensors import write_with_crcs
-from .torchdump import dumps
-from .torchzip import ZipWriter
+from ...errors import ArgumentError, summarize
+from ...io.fileio import Progress
+from ..dtypes import BY_NAME
+from ..rewrite import new_tensor
+from ..safetensors import write_with_crcs
+from ..torchdump import dumps
+from ..zipwrite import ZipWriter
+from .stream import DcpSource, DcpTensor, is_leaf
 
 
 def write_torch_zip(f: BinaryIO, src: DcpSource, obj: Any, progress: Progress | None) -> int:

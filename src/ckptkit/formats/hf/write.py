@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import summarize
-from . import dcpcopy
-from . import dcpstream as dcps
-from .atomicdir import atomic_folder, check_folder_destination
-from .detect import HF, HF_INDEXES
-from .fileio import Progress
-from .hfshards import HF_FILE, drop_tied, index_bytes, split
-from .integrity import check_written
-from .rewrite import NeedsTorch, Source, locate, write_safetensors
+from ...errors import summarize
+from ...io.atomicdir import atomic_folder, check_folder_destination
+from ...io.fileio import Progress
+from ..dcp import stream as dcps
+from ..dcp import write as dcpcopy
+from ..detect import HF, HF_INDEXES
+from ..integrity import check_written
+from ..rewrite import NeedsTorch, Source, locate, write_safetensors
+from .index import HF_FILE, drop_tied, index_bytes, split
 
 _OPEN_AT_MOST = 64  # shard files kept open for their fsync at the end (well under any descriptor limit)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .detect import DCP_METADATA
-from .dtypes import BY_NAME
-from .fileio import ClampedReader
-from .scan import pickle_globals
+from ...io.fileio import ClampedReader
+from ..detect import DCP_METADATA
+from ..dtypes import BY_NAME
+from ..scan import pickle_globals
 
 # Exact names: a protocol-4 pickle can name a dotted attribute of a module (STACK_GLOBAL with
 # qualname "os.system" in torch.distributed.checkpoint.metadata is os.system), so a prefix
