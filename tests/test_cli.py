@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -295,8 +296,9 @@ def test_a_selection_from_safetensors_writes_only_what_it_selects(tmp_path: Path
 
 
 def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 24: defect 1 brought back on purpose (a selection's header over the whole data
-    section): the writer's check refuses the file, and --force leaves the old DST as it was."""
+    """Issue 24: a writer that loses the last bytes of its data (as defect 1's header over the
+    wrong data section did): the writer's check refuses the file, and --force leaves the old
+    DST as it was."""
     from safetensors.torch import save_file
 
     import ckptkit.formats.rewrite as fp
@@ -305,7 +307,14 @@ def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, m
     dst = tmp_path / "s.safetensors"
     ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
     good = dst.read_bytes()
-    monkeypatch.setattr(fp, "write_safetensors", lambda f, src, state, progress, **kw: fp.rename_safetensors(f, src, state, progress))
+    real = fp.write_safetensors
+
+    def short(f: Any, *args: Any, **kwargs: Any) -> int:
+        n = real(f, *args, **kwargs)
+        f.truncate(f.tell() - 8)
+        return n
+
+    monkeypatch.setattr(fp, "write_safetensors", short)
     code, _, err = run("convert", tmp_path / "both.safetensors", dst, "--force", "--key", "student.", "--model-only")
     assert code == 1 and "fails its own check" in err and len(err.strip().splitlines()) == 1, err
     assert dst.read_bytes() == good and no_temps(tmp_path)

@@ -286,11 +286,6 @@ def _fast_write(f: Any, src: Any, obj: Any, state: Any, in_fmt: str, out_fmt: st
     elif in_fmt == DCP:
         dcpcopy.write_torch_zip(f, src, obj, progress)
     elif out_fmt == SAFETENSORS:
-        # A new header over the data section as it is, only when every stored tensor is kept:
-        # a selection (--key, --model-only) leaves gaps that only a copy per tensor closes.
-        if in_fmt == SAFETENSORS and {id(r) for r in state.values()} >= {id(r) for r in src.obj.values()}:
-            fp.rename_safetensors(f, src, state, progress)
-        else:
-            fp.write_safetensors(f, src, state, progress)
+        fp.write_safetensors(f, src, state, progress)
     else:
         fp.write_torch_zip(f, src, obj, progress)

@@ -26,13 +26,13 @@ from . import torchpickle as lp
 from .detect import SAFETENSORS
 from .dtypes import BY_NAME, BY_SAFETENSORS
 from .integrity import Damage, record_crc, record_tensors, tensors_named
-from .safetensors import ALIASES_KEY, CRC_KEY, crc_metadata, encode_header, write_with_crcs
+from .safetensors import ALIASES_KEY, CRC_KEY, write_with_crcs
 from .source import NeedsTorch, Source, StRef, is_leaf, open_source
 from .torchdump import dumps
 from .torchzip import Record
 from .zipwrite import ZipWriter
 
-__all__ = ["NeedsTorch", "Source", "StRef", "is_leaf", "locate", "new_tensor", "open_source", "rename_safetensors",
+__all__ = ["NeedsTorch", "Source", "StRef", "is_leaf", "locate", "new_tensor", "open_source",
            "write_safetensors", "write_torch_zip"]  # fmt: skip
 
 _GLOBALS: dict[tuple[str, str], lp.Global] = {}
@@ -174,41 +174,6 @@ def write_safetensors(
         spans.append((spans[-1][0] + spans[-1][2] if spans else 0, b.offset, b.length))
     write_with_crcs(f, entries, meta, write_data, known=known, data_at=page_residue(spans))
     return sum(b.length for _, b in copies)
-
-
-def rename_safetensors(f: BinaryIO, src: Source, state: Mapping[str, Any], progress: Progress | None) -> int:
-    """safetensors -> safetensors: a new header over the untouched data section."""
-    header: dict[str, Any] = {}
-    aliases: dict[str, list[Any]] = {}
-    named: dict[int, str] = {}
-    for i, (name, ref) in enumerate(state.items()):
-        if id(ref) in named:
-            aliases[name] = [named[id(ref)], i]
-            continue
-        named[id(ref)] = name
-        begin = ref.start - src.data_start
-        header[name] = {"dtype": ref.dtype, "shape": list(ref.shape), "data_offsets": [begin, begin + ref.length]}
-    meta = {k: v for k, v in (src.metadata or {}).items() if k not in (ALIASES_KEY, CRC_KEY)}
-    if aliases:
-        meta[ALIASES_KEY] = json.dumps(aliases)
-    kept = [state[name] for name in header]
-    if kept and all(r.crc is not None for r in kept):  # the bytes do not change: their CRCs carry over
-        meta[CRC_KEY] = crc_metadata(header, {n: state[n].crc for n in header})
-    out = {"__metadata__": meta, **header} if meta else header
-    at = page_residue([(0, src.data_start, sum(r.length for r in kept))])  # the data section moves whole
-    f.write(encode_header(out, data_at=at, start=f.tell()))
-    # read_header saw the tensors tile the data section: copied in file order, it is as it was.
-    stored = sorted({id(r): r for r in src.obj.values()}.values(), key=lambda r: r.start)
-    if not any(r.crc is not None for r in stored):  # nothing recorded to check against: one copy
-        stored = [StRef("", (), src.data_start, sum(r.length for r in stored))]
-    damage = _damage(src)
-    assert src.file is not None  # one safetensors file
-    for ref in stored:
-        read = copy_range(src.file, f, ref.start, ref.length, progress, crc=ref.crc is not None)
-        if ref.crc is not None:
-            damage.check(ref, ref.crc, read)
-    damage.raise_if_any()
-    return sum(r.length for r in stored)
 
 
 def write_torch_zip(f: BinaryIO, src: Source, obj: Any, progress: Progress | None) -> int:

@@ -3,6 +3,6 @@
 Torch-free, and below ``formats``: it knows bytes and files, no checkpoint format. Modules:
 ``atomic``/``atomicdir`` (a temp in the same folder, fsync, rename, a check before it),
 ``fileio`` (bounded reads, ``copy_range`` with its CRC-32, ``crc32``), ``kcopy`` (the kernel's
-copies: ``copy_file_range``, or ``splice`` through a pipe), ``pages`` (where a long copy lands
+copies, ``copy_file_range``, and early writeback), ``pages`` (where a long copy lands
 within a page), ``helper`` (the kept CRC thread), ``crcmath`` (CRC-32 combination).
 """

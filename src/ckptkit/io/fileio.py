@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 from .helper import in_background
-from .kcopy import Move, NoKernelCopy, mover, start_writeback
+from .kcopy import Move, NoKernelCopy, copy_file_range, start_writeback
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -85,7 +85,7 @@ def copy_range(
 
     With ``crc``, returns the CRC-32 of the source bytes as they are copied (else 0), for the
     caller to hold against the CRC the source records: while the kernel copies each step
-    (:func:`.kcopy.mover`'s way), a second thread CRCs the same bytes from a read-only mapping of the
+    (``copy_file_range``), a second thread CRCs the same bytes from a read-only mapping of the
     source, so checking costs little more than the copy and nothing is copied into Python.
 
     ``aside``: work a third thread may do while the kernel copies each step of a checked range
@@ -107,37 +107,37 @@ def copy_range(
     value = done = started = 0
     use_kernel = hasattr(os, "copy_file_range")
     mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
-    with mover(inp, out, src_at=offset, dst_at=written_at, length=length) as move:
-        while done < length:
-            step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
-            n = 0
-            if use_kernel:
-                try:
-                    n, value = _kernel_copy(move, inp, step, offset + done, value if crc else None, mapped, aside)
-                except NoKernelCopy:  # cross-device on old kernels, or a filesystem without support
-                    use_kernel = False
-            if not use_kernel:
-                src.seek(offset + done)
-                chunk = src.read(step)
-                dst.write(chunk)
-                dst.flush()
-                n = len(chunk)
-                value = _crc32(chunk, value) if crc else 0
-            if n <= 0:
-                raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
-            done += n
-            if done - started >= _CHUNK or done == length:
-                start_writeback(out, written_at + started, done - started)
-                started = done
-            if progress is not None:
-                progress(n)
+    move: Move = lambda n, at: copy_file_range(inp, out, n, at)  # noqa: E731
+    while done < length:
+        step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
+        n = 0
+        if use_kernel:
+            try:
+                n, value = _kernel_copy(move, inp, step, offset + done, value if crc else None, mapped, aside)
+            except NoKernelCopy:  # cross-device on old kernels, or a filesystem without support
+                use_kernel = False
+        if not use_kernel:
+            src.seek(offset + done)
+            chunk = src.read(step)
+            dst.write(chunk)
+            dst.flush()
+            n = len(chunk)
+            value = _crc32(chunk, value) if crc else 0
+        if n <= 0:
+            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
+        done += n
+        if done - started >= _CHUNK or done == length:
+            start_writeback(out, written_at + started, done - started)
+            started = done
+        if progress is not None:
+            progress(n)
     return value
 
 
 def _kernel_copy(
     move: Move, inp: int, step: int, at: int, value: int | None, mapped: bool, aside: Aside | None
 ) -> tuple[int, int]:
-    """``move`` of up to ``step`` bytes at ``at`` (:func:`.kcopy.mover`'s): ``(bytes copied,
+    """``move`` of up to ``step`` bytes at ``at`` (the kernel's copy): ``(bytes copied,
     CRC-32 continued from value)``; no CRC (0) where ``value`` is None."""
     if value is None:
         return move(step, at), 0

@@ -1,7 +1,7 @@
 """Where a copied range should land within a page, so the kernel copies whole pages.
 
-A copy that keeps each byte at its source's offset within a page is the kernel's fastest
-(:mod:`.kcopy` says by how much, and what it does for the rest). A writer that pads before a
+A copy that keeps each byte at its source's offset within a page is the kernel's fastest (on
+ext4, 2.7-3.1x a whole convert here: BENCHMARKS.md, bench_devices.py). A writer that pads before a
 long copy (a zip record's extra field) or before its data (a safetensors header) can keep the
 bytes there, for a few KiB of padding at most.
 """
