@@ -34,7 +34,7 @@ from .formats.source import checkpoint_bytes
 from .formats.torchpickle import UnsupportedGlobal
 from .io.atomic import atomic_write
 from .io.atomicdir import check_folder_destination
-from .prefix import rewrite_prefixes
+from .prefix import AVERAGED_COUNT, rewrite_prefixes, without_averaged_count
 
 
 def _dcp_flag() -> str:
@@ -230,6 +230,8 @@ class _Job:
     def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
+        counted = AVERAGED_COUNT in state and AVERAGED_COUNT not in new_state  # AveragedModel's, dropped
+        state = without_averaged_count(state) if counted else state  # the report pairs old and new names
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
         if path and path[-1].endswith("."):  # key="student.": part of the weights
             if not self.model_only:
@@ -257,6 +259,11 @@ class _Job:
                 write(f, out, new_state)
         hf: Any = written if self.out_fmt == HF else None  # formats.hf.write.Written
         before, after = renamed_prefixes(list(state), list(new_state))
+        notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
+        if counted:
+            keep = spell("to='keep'", "--to keep")
+            notes.append(f"{AVERAGED_COUNT} (AveragedModel's count of averaged models) not written: a plain model "
+                         f"has no such buffer; {keep} keeps it")  # fmt: skip
         return ConvertReport(
             source=str(self.source),
             destination=str(self.dest),
@@ -272,7 +279,7 @@ class _Job:
             tied=tied_names(self.dest) if self.out_fmt == SAFETENSORS else [f"{a} is {b}" for a, b in hf.tied.items()] if hf else [],
             bytes=sum(f.stat().st_size for f in self.dest.iterdir()) if self.dest.is_dir() else self.dest.stat().st_size,
             shards=len(hf.files) if hf else 0,
-            notes=[note] if self.source.is_file() and (note := shard_note(self.source)) else [],
+            notes=notes,
         )
 
 

@@ -9,7 +9,15 @@ from typing import Any
 from ._layout import select_prefix
 from ._unwrap import unwrap_model
 from .errors import StateDictMismatchError, summarize
-from .prefix import WRAPPER_PREFIXES, adapt_state_dict, canonical_key, detect_prefixes, wrapper_names
+from .prefix import (
+    AVERAGED_COUNT,
+    WRAPPER_PREFIXES,
+    adapt_state_dict,
+    canonical_key,
+    detect_prefixes,
+    without_averaged_count,
+    wrapper_names,
+)
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -190,8 +198,10 @@ def fit_to_model(
     Raises:
         StateDictMismatchError: with ``strict``, every missing, unexpected or mis-shaped key.
     """
-    adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
     target = model.state_dict()
+    if AVERAGED_COUNT not in target:  # an AveragedModel's weights into a plain model: its count goes
+        state_dict = without_averaged_count(state_dict)
+    adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
     found = _check_filling_ties(adapted, target)
     if found[1]:  # unexpected keys: the model may sit under a prefix, or beside a copy of itself
         fits = fitting_prefixes(state_dict, target, wrappers=wrappers)

@@ -19,6 +19,28 @@ from typing import Any, Literal
 from .errors import ArgumentError, summarize
 
 WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
+# torch.optim.swa_utils.AveragedModel: its weights under module. and, beside them, this buffer,
+# the count of models averaged, which no plain model has.
+AVERAGED_COUNT = "n_averaged"
+
+
+def without_averaged_count(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An ``AveragedModel``'s state dict without ``n_averaged``, so that its ``module.`` (and a
+    DDP model's ``module.module.``) reads as a wrapper prefix; any other state dict as it is.
+
+    Example:
+        >>> list(without_averaged_count({"module.fc.weight": 0, "n_averaged": 1}))
+        ['module.fc.weight']
+    """
+    if AVERAGED_COUNT not in state_dict or len(state_dict) < 2:
+        return state_dict
+    if not all(k.startswith("module.") for k in state_dict if k != AVERAGED_COUNT):
+        return state_dict
+    kept: OrderedDict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k != AVERAGED_COUNT)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:  # per-module versions: renamed with the keys by the prefix functions
+        kept._metadata = meta  # type: ignore[attr-defined]
+    return kept
 
 
 def check_prefix(prefix: str) -> str:
@@ -289,7 +311,8 @@ def rewrite_prefixes(
     ``to="single"`` removes the leading chain of wrapper prefixes (``module.``, ``_orig_mod.``,
     in any nesting) and every ``_orig_mod.`` segment deeper in the keys (torch.compile of a
     submodule). A ``module.`` segment deeper in the keys is left alone: a real submodule may be
-    called ``module``. ``to="ddp"`` does the same and then adds ``module.``; ``to="keep"``
+    called ``module``. An ``AveragedModel``'s ``n_averaged`` is dropped (a plain model has no
+    such buffer). ``to="ddp"`` does the same and then adds ``module.``; ``to="keep"``
     leaves wrappers alone. Then every ``strip`` prefix is removed and every ``add`` prefix
     added, in order.
 
@@ -301,6 +324,7 @@ def rewrite_prefixes(
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     out: Mapping[str, Any] = state_dict
     if to != "keep":
+        out = without_averaged_count(out)
         for prefix in detect_prefixes(out).leading:
             out = strip_prefix(out, prefix)
         if any("_orig_mod" in k.split(".") for k in out):
