@@ -307,3 +307,21 @@ def test_a_passing_folder_check_publishes(tmp_path: Path, existing: bool) -> Non
     assert calls == [tmp]
     assert [p.read_bytes() for p in dest.iterdir()] == [b"new bytes"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_read_only_folder_is_a_write_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.open refused (EROFS): nothing was created, so nothing is unlinked, and the caller gets
+    CheckpointWriteError saying why, not the OSError of an unlink of a file that never was."""
+    import errno
+
+    def refused(path: object, *args: object, **kwargs: object) -> int:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    def unlink(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "open", refused)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(CheckpointWriteError, match="read-only filesystem"):
+        with atomic_write(tmp_path / "x.pt") as f:
+            f.write(b"never")

@@ -77,3 +77,21 @@ def test_a_plain_key_named_n_averaged_among_others_is_left_alone() -> None:
     from ckptkit.prefix import rewrite_prefixes
 
     assert list(rewrite_prefixes(sd)) == ["fc.weight", "n_averaged"]  # not an AveragedModel's: kept
+
+
+def test_diff_still_sees_a_different_count(tmp_path: Path) -> None:
+    """diff compares what the files hold: two averages of different counts differ."""
+    avg, _ = _averaged(False)
+    torch.save(avg.state_dict(), tmp_path / "a.pt")
+    avg.n_averaged.fill_(5)
+    torch.save(avg.state_dict(), tmp_path / "b.pt")
+    code, out, err = run("diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert code == 1 and "n_averaged" in out + err, out + err
+
+
+def test_load_into_a_wrapped_averaged_model_keeps_the_count(tmp_path: Path) -> None:
+    avg, _ = _averaged(False)
+    torch.save(avg.state_dict(), tmp_path / "swa.pt")
+    wrapped = torch.nn.DataParallel(AveragedModel(TinyNet()))  # its count is module.n_averaged
+    ckptkit.load_for_rank(tmp_path / "swa.pt", model=wrapped)
+    assert int(wrapped.module.n_averaged) == 3

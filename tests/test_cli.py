@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import collections
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -331,3 +333,27 @@ def test_a_save_that_fails_its_own_check_keeps_the_old_file(tmp_path: Path, monk
     with pytest.raises(ckptkit.errors.CheckpointWriteError, match="fails its own check"):
         ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
     assert dst.read_bytes() == good and no_temps(tmp_path)
+
+
+def test_a_torch_zip_whose_pickle_was_damaged_in_writing_is_never_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check reads data.pkl's CRC-32 whatever the stand-ins make of the pickle."""
+    import ckptkit._write as write
+
+    real = write.write_to
+
+    def damaging(f: Any, *args: Any, **kwargs: Any) -> None:
+        real(f, *args, **kwargs)
+        f.flush()
+        with open(os.readlink(f"/proc/self/fd/{f.fileno()}"), "r+b") as g:  # the temp file, readable
+            head = g.read(30)  # the first record, data.pkl: its local header
+            at = 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little") + 3
+            g.seek(at)
+            byte = g.read(1)[0]
+            g.seek(at)
+            g.write(bytes([byte ^ 0xFF]))
+
+    monkeypatch.setattr(write, "write_to", damaging)
+    dst = tmp_path / "m.pt"
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="fails its own check"):
+        ckptkit.write_checkpoint({"w": torch.ones(2), "ns": collections.defaultdict(list)}, dst)
+    assert not dst.exists() and no_temps(tmp_path)

@@ -138,3 +138,19 @@ def test_a_model_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
     assert all(torch.equal(v, before[2][i][k]) for i, s in enumerate(after) for k, v in s.items())
     assert other_opt.param_groups[0]["lr"] == 1e-3  # not the saved optimizer's
     assert torch.equal(torch.get_rng_state(), before[3])
+
+
+@pytest.mark.parametrize("seed", [0, -1, 2**32 + 5, 2**40])
+def test_any_seed_torch_takes_seeds_every_generator(seed: int) -> None:
+    """numpy takes 0 to 2**32 - 1 alone; --seed and seed + 1000 * rank may be anything torch takes."""
+    import random
+
+    import numpy
+    import torch
+
+    from ckptkit.train.task import seed_generators
+
+    seed_generators(seed)
+    a = (random.random(), numpy.random.rand(), torch.rand(1).item())
+    seed_generators(seed)
+    assert (random.random(), numpy.random.rand(), torch.rand(1).item()) == a

@@ -229,9 +229,10 @@ class _Job:
 
     def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
+        # An AveragedModel's count goes with its wrapper: a plain model has no such buffer.
+        counted = self.to != "keep" and without_averaged_count(state) is not state
+        state = without_averaged_count(state) if counted else state
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
-        counted = AVERAGED_COUNT in state and AVERAGED_COUNT not in new_state  # AveragedModel's, dropped
-        state = without_averaged_count(state) if counted else state  # the report pairs old and new names
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
         if path and path[-1].endswith("."):  # key="student.": part of the weights
             if not self.model_only:

@@ -199,7 +199,8 @@ def fit_to_model(
         StateDictMismatchError: with ``strict``, every missing, unexpected or mis-shaped key.
     """
     target = model.state_dict()
-    if AVERAGED_COUNT not in target:  # an AveragedModel's weights into a plain model: its count goes
+    names = wrapper_names(wrappers)
+    if all(canonical_key(k, names) != AVERAGED_COUNT for k in target):  # into a model that is no AveragedModel
         state_dict = without_averaged_count(state_dict)
     adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
     found = _check_filling_ties(adapted, target)

@@ -311,8 +311,7 @@ def rewrite_prefixes(
     ``to="single"`` removes the leading chain of wrapper prefixes (``module.``, ``_orig_mod.``,
     in any nesting) and every ``_orig_mod.`` segment deeper in the keys (torch.compile of a
     submodule). A ``module.`` segment deeper in the keys is left alone: a real submodule may be
-    called ``module``. An ``AveragedModel``'s ``n_averaged`` is dropped (a plain model has no
-    such buffer). ``to="ddp"`` does the same and then adds ``module.``; ``to="keep"``
+    called ``module``. ``to="ddp"`` does the same and then adds ``module.``; ``to="keep"``
     leaves wrappers alone. Then every ``strip`` prefix is removed and every ``add`` prefix
     added, in order.
 
@@ -324,7 +323,6 @@ def rewrite_prefixes(
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     out: Mapping[str, Any] = state_dict
     if to != "keep":
-        out = without_averaged_count(out)
         for prefix in detect_prefixes(out).leading:
             out = strip_prefix(out, prefix)
         if any("_orig_mod" in k.split(".") for k in out):

@@ -89,8 +89,11 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path, shutd
 
     parser = get_args_parser()
     known = {option for action in parser._actions for option in action.option_strings}
-    if "--shutdown-timeout" in known:  # older torchrun has no such flag: its agent waits 30 s
+    if "--shutdown-timeout" in known:
         launcher = [*launcher, "--shutdown-timeout", str(shutdown_timeout)]
+    else:  # an older torchrun: its agent's own grace period applies, said rather than dropped
+        click.echo(f"note: this torch's torchrun has no --shutdown-timeout; after Ctrl-C or SIGTERM the workers get "
+                   f"torchrun's own grace period to save, not {shutdown_timeout} s", err=True)  # fmt: skip
     if "--signals-to-handle" in known:
         # The agent would pass SIGINT on to the workers, and a worker still importing Python
         # modules dies of it with a traceback. Left to this process, they raise here instead,

@@ -251,6 +251,7 @@ def _file_checks(path: Path, fmt: str) -> list[Check]:
             return safetensors_checks(f, str(path), full=False)
     if fmt == ZIP:
         with TorchZip(str(path)) as z:  # opening checks the directory and every record's header
+            z.read(f"{z.prefix}data.pkl")  # and its pickle's CRC-32, whatever the stand-ins make of it
             try:
                 return zip_checks(z, full=False)[0]
             except CheckpointFormatError:  # a pickle the stand-ins do not model: torch's pickler wrote it

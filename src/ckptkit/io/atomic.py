@@ -176,12 +176,12 @@ def atomic_write(path: str | os.PathLike[str], *, check: Callable[[Path], None] 
     checking = False
     # The temp file is created inside this try: a signal the CLI turns into an exception can land
     # just after os.open returns, and the file it made must go too. A file at ``tmp`` is ours
-    # unless os.open said it existed: the name is unique (host, pid, random bits) and O_EXCL.
+    # unless os.open failed: the name is unique (host, pid, random bits) and O_EXCL.
     try:
         try:
             # 0o666 lets the umask decide, as a plain open() would (mkstemp would force 0o600).
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
+        except OSError:  # nothing created (another writer's name, a read-only or full filesystem)
             mine = False
             raise
         with os.fdopen(fd, "wb") as f:

@@ -96,11 +96,11 @@ def atomic_folder(path: str | os.PathLike[str], *, check: Callable[[Path], None]
     checking = False
     # The temp folder is made inside this try, as atomic_write makes its file: a signal turned
     # into an exception just after mkdir returns must still remove it. The name is unique and
-    # mkdir fails if it exists, so a folder there is ours unless mkdir said it existed.
+    # mkdir fails if it exists, so a folder there is ours unless mkdir failed.
     try:
         try:
             os.mkdir(tmp)
-        except FileExistsError:
+        except OSError:  # nothing made (another writer's name, a read-only or full filesystem)
             mine = False
             raise
         yield tmp

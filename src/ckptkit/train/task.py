@@ -47,4 +47,4 @@ def seed_generators(seed: int) -> None:
     with contextlib.suppress(ImportError):  # numpy is optional for the trainer (tests/test_train.py)
         import numpy
 
-        numpy.random.seed(seed)
+        numpy.random.seed(seed % 2**32)  # numpy takes 0 to 2**32 - 1; torch and Python take any int

@@ -5,7 +5,7 @@ torch pickles a ``Metadata`` dataclass: ``state_dict_metadata`` (each key's
 ``storage_data`` (``MetadataIndex(fqn, offset)`` -> ``_StorageInfo(relative_path, offset,
 length, transform_descriptors)``: where each chunk's bytes lie in the ``.distcp`` files) and
 ``planner_data`` (each flattened key's path in the nested state dict). Unpickled here with the
-pure-Python unpickler and inert stand-ins for DCP's own classes (:func:`.dcp.is_dcp_class`), it
+pure-Python unpickler and inert stand-ins for DCP's own classes (:func:`ckptkit.formats.dcp.is_dcp_class`), it
 becomes the plain records below. A global outside those classes raises
 :class:`~.torchpickle.UnsupportedGlobal`; a structure this reader does not model raises
 :class:`~.rewrite.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
