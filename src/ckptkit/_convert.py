@@ -20,6 +20,7 @@ from ._convreport import ConvertReport, other_wrapped_weights, renamed_prefixes,
 from ._layout import find_model_state, replace_at
 from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
+from ._unwrap import AVERAGED_COUNT, without_averaged_count
 from ._write import SUFFIX_FORMATS, format_for, write_to
 from .errors import ArgumentError, spell, summarize
 from .formats import modulepickle as mp
@@ -34,7 +35,7 @@ from .formats.source import checkpoint_bytes
 from .formats.torchpickle import UnsupportedGlobal
 from .io.atomic import atomic_write
 from .io.atomicdir import check_folder_destination
-from .prefix import AVERAGED_COUNT, rewrite_prefixes, without_averaged_count
+from .prefix import rewrite_prefixes
 
 
 def _dcp_flag() -> str:

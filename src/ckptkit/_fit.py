@@ -7,17 +7,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._layout import select_prefix
-from ._unwrap import unwrap_model
+from ._unwrap import AVERAGED_COUNT, unwrap_model, without_averaged_count
 from .errors import StateDictMismatchError, summarize
-from .prefix import (
-    AVERAGED_COUNT,
-    WRAPPER_PREFIXES,
-    adapt_state_dict,
-    canonical_key,
-    detect_prefixes,
-    without_averaged_count,
-    wrapper_names,
-)
+from .prefix import WRAPPER_PREFIXES, adapt_state_dict, canonical_key, detect_prefixes, wrapper_names
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:

@@ -19,30 +19,6 @@ from typing import Any, Literal
 from .errors import ArgumentError, summarize
 
 WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
-# torch.optim.swa_utils.AveragedModel: its weights under module. and, beside them, this buffer,
-# the count of models averaged, which no plain model has.
-AVERAGED_COUNT = "n_averaged"
-
-
-def without_averaged_count(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-    """An ``AveragedModel``'s state dict without ``n_averaged``, so that its ``module.`` (and a
-    DDP model's ``module.module.``) reads as a wrapper prefix; any other state dict as it is.
-
-    Example:
-        >>> list(without_averaged_count({"module.fc.weight": 0, "n_averaged": 1}))
-        ['module.fc.weight']
-    """
-    if AVERAGED_COUNT not in state_dict or len(state_dict) < 2:
-        return state_dict
-    if not all(k.startswith("module.") for k in state_dict if k != AVERAGED_COUNT):
-        return state_dict
-    kept: OrderedDict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k != AVERAGED_COUNT)
-    meta = getattr(state_dict, "_metadata", None)
-    if meta is not None:  # per-module versions: renamed with the keys by the prefix functions
-        kept._metadata = meta  # type: ignore[attr-defined]
-    return kept
-
-
 def check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str) or not prefix.endswith(".") or prefix.strip(".") == "" or ".." in prefix:
         raise ArgumentError(f"prefix must be a dotted module path ending in '.', like 'module.'; got {prefix!r}")
