@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -51,3 +52,14 @@ TABLE: tuple[DType, ...] = (
 BY_NAME: dict[str, DType] = {d.name: d for d in TABLE}
 BY_STORAGE: dict[str, DType] = {d.storage: d for d in TABLE if d.storage}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in TABLE if d.safetensors}
+
+# numpy.dtype(code) unpickles into an instance of a numpy.dtypes class (numpy 1.25+), which
+# torch's weights-only unpickler must also be allowed to build though the pickle never names it:
+# the code numpy pickles ("f8") -> that class ("Float64DType").
+NUMPY_DTYPE_CLASSES: dict[str, str] = {
+    ("b" if d.name == "bool" else d.name[0]) + str(d.itemsize):
+        ("UInt" + d.name[4:] if d.name.startswith("uint") else d.name.capitalize()) + "DType"
+    for d in TABLE
+    if re.fullmatch(r"float(16|32|64)|u?int(8|16|32|64)|complex(64|128)|bool", d.name)
+}  # fmt: skip
+

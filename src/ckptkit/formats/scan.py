@@ -6,6 +6,9 @@ opcodes. Names come out as Python 3 resolves them: a protocol-2 pickle (what ``t
 writes) spells ``builtins.set`` as ``__builtin__.set``, and the unpickler maps it back, so this
 does too; otherwise a safe name would be reported as needing trust.
 
+A ``numpy.dtype(code)`` call is listed with the ``numpy.dtypes`` class it builds, which torch's
+weights-only unpickler must allow too though the pickle never names it.
+
 Example:
     >>> import pickle
     >>> pickle_globals(pickle.dumps({1, 2}, protocol=2))
@@ -23,6 +26,7 @@ from typing import Any, BinaryIO, cast
 from ..errors import PARSE_ERRORS, CheckpointFormatError
 from ..io.fileio import ClampedReader
 from .detect import LEGACY, ZIP, detect_format
+from .dtypes import NUMPY_DTYPE_CLASSES
 from .torchpickle import python3_name
 
 _STRING_OPS = frozenset(
@@ -72,6 +76,13 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
                 module, _, qual = str(arg).partition(" ")
                 value = _python3_name(module, qual, protocol)
                 found.append(value)
+            elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
+                value = tuple(popped)
+            elif name == "REDUCE" and popped and popped[0] == "numpy.dtype":
+                args = popped[1] if len(popped) > 1 else None
+                code = args[0] if isinstance(args, tuple) and args else None
+                if isinstance(code, str) and code in NUMPY_DTYPE_CLASSES:
+                    found.append(f"numpy.dtypes.{NUMPY_DTYPE_CLASSES[code]}")  # what numpy.dtype(code) builds
             elif name == "STACK_GLOBAL":
                 module, qual = (popped + [None, None])[:2]
                 ok = isinstance(module, str) and isinstance(qual, str)
@@ -84,16 +95,19 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
 
 
 def _pop(stack: list[Any], op: pickletools.OpcodeInfo) -> list[Any]:
+    """The values ``op`` takes off the stack, in order: those below a mark, then those above it."""
     before = op.stack_before
+    above: list[Any] = []
     if pickletools.markobject in before:
-        while stack and stack.pop() is not _MARK:
-            pass
+        while stack and (item := stack.pop()) is not _MARK:
+            above.append(item)
+        above.reverse()
         count = before.index(pickletools.markobject)
     else:
         count = len(before)
     popped = [stack.pop() if stack else None for _ in range(count)]
     popped.reverse()
-    return popped
+    return popped + above
 
 
 def checkpoint_globals(path: str | os.PathLike[str]) -> list[str]:
