@@ -6,10 +6,12 @@ module, so ``ckptkit convert`` and ``inspect`` run at copy speed and start in mi
 Modules, by format:
 
 - ``detect``: which format a path holds; ``dtypes``: the one dtype table;
-- torch's zip: ``torchzip`` (the container, read and written), ``zipcheck`` (its directory, read
-  by miniz's rules), ``torchpickle`` (its pickles read through inert stand-ins), ``torchdump``
-  (written from them), ``modulepickle`` (a whole pickled module read as its state dict),
-  ``bounds`` (declared sizes against real bytes), ``scan`` (the globals a pickle would import);
+- torch's zip: ``torchzip`` (the container, read), ``zipwrite`` (written), ``zipcheck`` (its
+  directory, read by miniz's rules), ``torchpickle`` (its pickles read through inert
+  stand-ins), ``pickleglobals`` (the globals they name, and which the stand-ins model),
+  ``torchdump`` (pickles written from stand-ins), ``modulepickle`` (a whole pickled module read
+  as its state dict), ``bounds`` (declared sizes against real bytes), ``scan`` (the globals a
+  pickle would import);
 - ``safetensors``: the safetensors codec;
 - ``dcp/``: torch.distributed.checkpoint: its metadata's globals (the package), ``meta`` (the
   metadata read through stand-ins), ``stream`` (a folder's tensors as chunk byte ranges),

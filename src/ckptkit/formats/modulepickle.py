@@ -12,15 +12,14 @@ keys come out as their ``state_dict()`` names them. DDP's ``__setstate__`` (whic
 process group) is never called.
 
 What a module pickle may call (``REDUCE``) is closed: torch's tensor and parameter rebuilders
-(also as ``_rebuild_from_type_v2`` of a plain ``torch.Tensor`` with attributes, as a buffer
-is once torch.compile has run), ``OrderedDict``, ``set``, ``torch.device``...
-(:func:`torchpickle.allowed_global`), the
-torch.compile wrapper and its context (:data:`BUILT_BY_CALL`), ``getattr`` of a stand-in (a bound
-method in that context). Any other call, or a global used as a value rather than as a class to
-build (a hook function, ``os.system`` stored away; torch's own names excepted, as an activation
-function kept as an attribute), is listed by :class:`UnsafeModulePickle`
-unless the caller trusts the file. Nothing is run either way; the refusal says what the pickle
-would run under ``torch.load``.
+(also as ``_rebuild_from_type_v2`` of a plain ``torch.Tensor`` with attributes, as a buffer is
+once torch.compile has run), ``OrderedDict``, ``set``, ``torch.device``...
+(:func:`.pickleglobals.allowed_global`), the torch.compile wrapper and its context
+(:data:`BUILT_BY_CALL`), ``getattr`` of a stand-in (a bound method in that context). Any other
+call, or a global used as a value rather than as a class to build (a hook function,
+``os.system`` stored away; torch's own names excepted, as an activation function kept as an
+attribute), is listed by :class:`UnsafeModulePickle` unless the caller trusts the file. Nothing
+is run either way; the refusal says what the pickle would run under ``torch.load``.
 
 Not modelled (:class:`Unmodelled`): non-empty state-dict hooks, and a class that overrides
 ``get_extra_state`` (its ``_extra_state`` entry is made by code the pickle does not hold).
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import PICKLE_ERRORS, CheckpointFormatError
+from . import pickleglobals as pg
 from . import torchpickle as tp
 
 # Classes whose __reduce__ calls them with arguments: torch.compile's wrapper (pickled as
@@ -121,9 +121,9 @@ class ModuleUnpickler(tp._Unpickler):
         return super().find_class(module, name)
 
     def find_class(self, module: str, name: str) -> Any:
-        module, name = tp.python3_name(module, name, self.proto)
+        module, name = pg.python3_name(module, name, self.proto)
         full = f"{module}.{name}"
-        if (module, name) in tp.REAL_GLOBALS or tp.allowed_global(module, name):
+        if (module, name) in pg.REAL_GLOBALS or pg.allowed_global(module, name):
             obj = self.real_global(module, name)
         else:
             obj = self._stand_ins.setdefault(full, tp.Global(module, name))

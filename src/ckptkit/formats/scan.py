@@ -27,7 +27,7 @@ from ..errors import PARSE_ERRORS, CheckpointFormatError
 from ..io.fileio import ClampedReader
 from .detect import LEGACY, ZIP, detect_format
 from .dtypes import NUMPY_DTYPE_CLASSES
-from .torchpickle import python3_name
+from .pickleglobals import python3_name
 
 _STRING_OPS = frozenset(
     {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}

@@ -16,22 +16,17 @@ applies torch's rules and ckptkit's trust option.
 
 from __future__ import annotations
 
-import _compat_pickle
 import io
 import math
 import pickle
 import struct
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, SupportsIndex
 
 from ..errors import PICKLE_ERRORS, CheckpointFormatError
 from .dtypes import BY_NAME, BY_STORAGE
-
-TENSOR_BUILDERS = frozenset({"_rebuild_tensor_v2", "_rebuild_tensor_v3"})
-PARAM_BUILDERS = frozenset({"_rebuild_parameter", "_rebuild_parameter_with_state"})
-REAL_GLOBALS = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
+from .pickleglobals import PARAM_BUILDERS, REAL_GLOBALS, TENSOR_BUILDERS, allowed_global, python3_name
 
 
 class UnsupportedGlobal(CheckpointFormatError):
@@ -200,24 +195,6 @@ def tensor_of(value: Any) -> TensorRef | None:
 
 def is_tensor(value: Any) -> bool:
     return isinstance(value, (TensorRef, ParamRef))
-
-
-def allowed_global(module: str, name: str) -> bool:
-    """A torch name the stand-ins model: tensor and parameter builders, storages, dtypes, Size, device."""
-    if module == "torch._utils":
-        return name in TENSOR_BUILDERS or name in PARAM_BUILDERS
-    if module == "torch":
-        return name in BY_STORAGE or name in BY_NAME or name in ("Size", "device")
-    if module == "torch.storage":
-        return name == "UntypedStorage"
-    return module == "_codecs" and name == "encode"  # protocol 2 spells bytes as _codecs.encode(str, "latin1")
-
-
-def python3_name(module: str, name: str, protocol: int) -> tuple[str, str]:
-    """A global as Python 3 resolves it: protocol 2 spells ``builtins.set`` as ``__builtin__.set``."""
-    if protocol < 3:
-        return _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
-    return module, name
 
 
 class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
