@@ -126,6 +126,13 @@ def loaders(path: Path, device: str) -> dict[str, Callable[[], dict[str, torch.T
     }
 
 
+def _then_clear(save: Callable[[], tuple[float, Path]]) -> float:
+    """One timed save; what it wrote is removed (untimed) so the next starts on an empty folder."""
+    seconds, written = save()
+    clear(written)
+    return seconds
+
+
 def _rounds(names: list[str], runs: int, once: Callable[[str], float]) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(runs):
@@ -152,26 +159,14 @@ def bench(gib: float, runs: int, folder: Path, device: str) -> tuple[list[str], 
     lines = [f"## {nbytes / 2**30:.2f} GiB state dict on {device}, {len(sd)} tensors, {runs} interleaved rounds", ""]
     try:
         save = savers(sd, out)
-
-        def one_save(name: str) -> float:
-            seconds, written = save[name]()
-            clear(written)
-            return seconds
-
-        times = _rounds(list(save), runs, one_save)
+        times = _rounds(list(save), runs, lambda name: _then_clear(save[name]))
         report["save"] = times
         lines += _table("Durable save from the GPU", times, nbytes, "ckptkit save_on_master")
 
         bg = async_savers(sd, out)
         for name in bg:  # warm-up: both sides keep pinned host buffers between saves
             clear(bg[name]()[1])
-
-        def one_async(name: str) -> float:
-            seconds, written = bg[name]()
-            clear(written)
-            return seconds
-
-        times = _rounds(list(bg), runs, one_async)
+        times = _rounds(list(bg), runs, lambda name: _then_clear(bg[name]))
         report["async_blocking"] = times
         lines += _table("Background save: time the training thread is blocked", times, nbytes, "ckptkit AsyncSaver.save")
 

@@ -231,8 +231,8 @@ class _Job:
     def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
         # An AveragedModel's count goes with its wrapper: a plain model has no such buffer.
-        counted = self.to != "keep" and without_averaged_count(state) is not state
-        state = without_averaged_count(state) if counted else state
+        plain = without_averaged_count(state) if self.to != "keep" else state
+        counted, state = plain is not state, plain
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
         if path and path[-1].endswith("."):  # key="student.": part of the weights

@@ -231,8 +231,7 @@ def check_written(path: Path, fmt: str, *, dest: Path) -> None:
     """
     try:
         if fmt == HF:
-            shards = read_index(path).shards if any(path.glob("*.index.json")) else [p.name for p in path.glob("*.safetensors")]
-            checks = [c for shard in shards for c in _file_checks(path / shard, SAFETENSORS)]
+            checks = [c for shard in read_index(path).shards for c in _file_checks(path / shard, SAFETENSORS)]
         else:
             checks = _file_checks(path, fmt)
     except CheckpointFormatError as e:

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 from .helper import in_background
-from .kcopy import Move, NoKernelCopy, copy_file_range, start_writeback
+from .kcopy import NoKernelCopy, copy_file_range, start_writeback
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -107,13 +107,12 @@ def copy_range(
     value = done = started = 0
     use_kernel = hasattr(os, "copy_file_range")
     mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
-    move: Move = lambda n, at: copy_file_range(inp, out, n, at)  # noqa: E731
     while done < length:
         step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
         n = 0
         if use_kernel:
             try:
-                n, value = _kernel_copy(move, inp, step, offset + done, value if crc else None, mapped, aside)
+                n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, mapped, aside)
             except NoKernelCopy:  # cross-device on old kernels, or a filesystem without support
                 use_kernel = False
         if not use_kernel:
@@ -135,14 +134,14 @@ def copy_range(
 
 
 def _kernel_copy(
-    move: Move, inp: int, step: int, at: int, value: int | None, mapped: bool, aside: Aside | None
+    inp: int, out: int, step: int, at: int, value: int | None, mapped: bool, aside: Aside | None
 ) -> tuple[int, int]:
-    """``move`` of up to ``step`` bytes at ``at`` (the kernel's copy): ``(bytes copied,
+    """The kernel's copy of up to ``step`` bytes of ``inp`` at ``at`` to ``out``: ``(bytes copied,
     CRC-32 continued from value)``; no CRC (0) where ``value`` is None."""
     if value is None:
-        return move(step, at), 0
+        return copy_file_range(inp, out, step, at), 0
     if not mapped:  # a short range: read back what was copied, from warm pages
-        n = move(step, at)
+        n = copy_file_range(inp, out, step, at)
         return n, _crc32(os.pread(inp, n, at), value) if n > 0 else value
     # On another core, while the kernel copies the same bytes: that thread maps, CRCs and
     # unmaps its step, so the page-table work of the mapping stays off this thread.
@@ -152,7 +151,7 @@ def _kernel_copy(
     try:  # both jobs are waited for, whatever fails: the aside reads files the caller closes next
         if aside is not None:
             side = in_background(aside, start + _ASIDE_SHARE * step / _rate[0])
-        n = move(step, at)
+        n = copy_file_range(inp, out, step, at)
     finally:
         took = time.perf_counter() - start
         try:

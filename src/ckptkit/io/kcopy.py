@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
 from typing import Any
-
-Move = Callable[[int, int], int]  # (bytes, source offset) -> bytes appended at the destination's position
 
 
 class NoKernelCopy(Exception):
