@@ -44,7 +44,7 @@ from benchmarks.bench_save import fsync_tree, make_model, read_all  # noqa: E402
 @contextlib.contextmanager
 def off(device: str) -> Iterator[None]:
     """``device`` switched off for the block."""
-    from ckptkit.formats import rewrite, zipwrite
+    from ckptkit.formats import safetensors, zipwrite
     from ckptkit.formats.dcp import stream
 
     saved: list[tuple[object, str, object]] = []
@@ -55,7 +55,7 @@ def off(device: str) -> Iterator[None]:
 
     if device == "padding":
         patch(zipwrite, "page_pad", lambda at, like, length, *, alignment: -at % alignment)
-        patch(rewrite, "page_residue", lambda spans: None)
+        patch(safetensors, "page_residue", lambda spans: None)
     elif device == "find-ahead":
         opened = stream.open_dcp
 

@@ -303,7 +303,7 @@ def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, m
     DST as it was."""
     from safetensors.torch import save_file
 
-    import ckptkit.formats.rewrite as fp
+    import ckptkit._convert as fp
 
     save_file({"teacher.w": torch.arange(1000.0), "student.w": torch.arange(1010.0)}, tmp_path / "both.safetensors")
     dst = tmp_path / "s.safetensors"
@@ -329,7 +329,7 @@ def test_a_save_that_fails_its_own_check_keeps_the_old_file(tmp_path: Path, monk
     ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
     good = dst.read_bytes()
     header = b'{"w":{"dtype":"F32","shape":[9],"data_offsets":[0,36]}}'  # 36 bytes of data, none written
-    monkeypatch.setattr(sttorch, "save_tensors", lambda f, obj: f.write(len(header).to_bytes(8, "little") + header))
+    monkeypatch.setattr(sttorch, "save_tensors", lambda f, obj, **_: f.write(len(header).to_bytes(8, "little") + header))
     with pytest.raises(ckptkit.errors.CheckpointWriteError, match="fails its own check"):
         ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
     assert dst.read_bytes() == good and no_temps(tmp_path)

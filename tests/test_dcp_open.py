@@ -28,7 +28,7 @@ from ckptkit.formats import torchpickle
 from ckptkit.formats.dcp import stream as dcpstream
 from ckptkit.formats.dcp.meta import read_metadata
 from ckptkit.formats.dcp.stream import DcpTensor, open_dcp
-from ckptkit.formats.rewrite import NeedsTorch
+from ckptkit.formats.source import NeedsTorch
 from ckptkit.formats.torchzip import SliceReader, TorchZip
 from ckptkit.formats.zipcheck import CENTRAL, read_directory
 from ckptkit.io.fileio import crc32

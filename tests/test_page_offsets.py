@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 import ckptkit
 from ckptkit.formats.detect import SAFETENSORS, ZIP
-from ckptkit.formats.rewrite import open_source, write_safetensors
-from ckptkit.formats.safetensors import read_header
+from ckptkit.formats.safetensors import read_header, write_safetensors
+from ckptkit.formats.source import open_source
 from ckptkit.formats.torchzip import TorchZip
 
 PAGE = 4096
@@ -141,7 +141,8 @@ def test_a_safetensors_header_is_written_once_when_the_source_records_every_crc(
     source = open_source(src, fmt)
     f = WriteSpy(tmp_path / "out.safetensors")
     try:
-        write_safetensors(f, source, OrderedDict((k.removeprefix("module."), v) for k, v in source.obj.items()), None)
+        entries = OrderedDict((k.removeprefix("module."), source.entry(v, k)) for k, v in source.obj.items())
+        write_safetensors(f, entries, {}, source=str(src))
     finally:
         f.close()
         source.close()

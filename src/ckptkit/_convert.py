@@ -24,15 +24,16 @@ from ._unwrap import AVERAGED_COUNT, without_averaged_count
 from ._write import SUFFIX_FORMATS, format_for, write_to
 from .errors import ArgumentError, spell, summarize
 from .formats import modulepickle as mp
-from .formats import rewrite as fp
+from .formats import source as fp
 from .formats.dcp import stream as dcps
-from .formats.dcp import write as dcpcopy
 from .formats.detect import DCP, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
+from .formats.entry import Entry, map_entries
 from .formats.hf.index import DEFAULT_MAX_SHARD_SIZE, parse_size, shard_note
 from .formats.hf.write import check_destination, write_shards
 from .formats.integrity import check_recorded_crcs, check_written
-from .formats.source import checkpoint_bytes
+from .formats.safetensors import write_safetensors
 from .formats.torchpickle import UnsupportedGlobal
+from .formats.zipwrite import write_torch_zip
 from .io.atomic import atomic_write
 from .io.atomicdir import check_folder_destination
 from .prefix import rewrite_prefixes
@@ -168,17 +169,15 @@ def convert_checkpoint(
     out_fmt = HF if folder else _check_paths(source, dest, force, format)
     in_fmt = detect_format(source)
     job = _Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
-    total = checkpoint_bytes(source, in_fmt)
+    total = fp.checkpoint_bytes(source, in_fmt)
     report_progress = (lambda n: progress(n, total)) if progress else None
     reason = "trusted file: loaded with torch" if trust else "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
     if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP):
         try:
             view = dcps.open_dcp(source, lazy=True) if in_fmt == DCP else fp.open_source(source, in_fmt)
             try:
-                if out_fmt == HF:
-                    report = job.run(view.obj, _is_leaf(view), lambda _, obj, sd: write_shards(dest, view, sd, max_shard_size=limit, progress=report_progress))
-                else:
-                    report = job.run(view.obj, _is_leaf(view), lambda f, obj, sd: _fast_write(f, view, obj, sd, in_fmt, out_fmt, report_progress))
+                is_leaf = dcps.is_leaf if isinstance(view, dcps.DcpSource) else fp.is_leaf
+                report = job.run(view.obj, is_leaf, lambda f, obj, sd: _fast_write(f, view, obj, sd, job, limit, report_progress))
                 report.pickled_module = view.module if isinstance(view, fp.Source) else ""
                 return report
             finally:
@@ -285,16 +284,24 @@ class _Job:
         )
 
 
-def _is_leaf(src: Any) -> Callable[[Any], bool]:
-    return dcps.is_leaf if isinstance(src, dcps.DcpSource) else fp.is_leaf
-
-
-def _fast_write(f: Any, src: Any, obj: Any, state: Any, in_fmt: str, out_fmt: str, progress: Any) -> None:
-    if in_fmt == DCP and out_fmt == SAFETENSORS:  # tensors as pieces of .distcp files, copied in order
-        dcpcopy.write_safetensors(f, src, state, progress)
-    elif in_fmt == DCP:
-        dcpcopy.write_torch_zip(f, src, obj, progress)
-    elif out_fmt == SAFETENSORS:
-        fp.write_safetensors(f, src, state, progress)
+def _fast_write(f: Any, view: fp.Source | dcps.DcpSource, obj: Any, state: Any, job: _Job, limit: int, progress: Any) -> Any:
+    """The torch-free path: the source's tensors as entries, into the one writer of the output's
+    format; a byte that differs from its source's CRC-32 fails the whole output."""
+    if isinstance(view, dcps.DcpSource):
+        name, entry, meta = str(view.folder), (lambda v, _: v), {"format": "pt"}
     else:
-        fp.write_torch_zip(f, src, obj, progress)
+        name, entry = str(view.path), (lambda v, k: view.entry(v, k) if fp.is_leaf(v) else v)
+        meta = view.metadata or {} if view.fmt == SAFETENSORS else {"format": "pt"}
+    written = None
+    if job.out_fmt in (HF, SAFETENSORS):
+        tensors = {k: entry(v, k) for k, v in state.items()}
+        if job.out_fmt == HF:
+            written = write_shards(job.dest, tensors, max_shard_size=limit, source=name, progress=progress, after=view.damage.raise_if_any)
+        else:
+            write_safetensors(f, tensors, meta, source=name, progress=progress)
+    elif isinstance(view, fp.Source) and view.zip is not None:  # storages copied as they are, views and all
+        write_torch_zip(f, obj, records=view.records(), prefix=view.zip.prefix, byteorder=view.zip.byteorder, progress=progress)
+    else:
+        write_torch_zip(f, map_entries(obj, entry, lambda v: isinstance(v, Entry) or fp.is_leaf(v)), progress=progress)
+    view.damage.raise_if_any()
+    return written

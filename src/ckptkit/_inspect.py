@@ -21,7 +21,7 @@ from ._layout import find_model_state
 from ._safety import AllowGlobals, filter_unsafe
 from .errors import CheckpointFormatError, LayoutError
 from .formats import modulepickle as mp
-from .formats import rewrite as fp
+from .formats import source as fp
 from .formats import torchpickle as tp
 from .formats.dcp import stream as dcps
 from .formats.detect import DCP, HF, SAFETENSORS, ZIP, check_exists, detect_format

@@ -8,7 +8,7 @@ recorded under ``ckptkit.aliases`` so loading re-ties them, as ``safetensors.tor
 from __future__ import annotations
 
 import ctypes
-import json
+import functools
 import os
 import sys
 from collections import OrderedDict
@@ -18,31 +18,10 @@ from typing import Any, BinaryIO
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import ArgumentError, CheckpointFormatError, summarize
-from .formats.dtypes import BY_NAME
-from .formats.safetensors import ALIASES_KEY, insert_aliases, parse_aliases, read_header, write_with_crcs
-from .io.fileio import crc32
-
-
-def torch_dtype_codes() -> dict[Any, str]:
-    """``{torch.float32: "F32", ...}`` for every dtype of this torch that safetensors stores."""
-    return {getattr(torch, d.name): d.safetensors for d in BY_NAME.values() if d.safetensors and hasattr(torch, d.name)}
-
-
-def find_aliases(state_dict: Mapping[str, Any]) -> dict[str, str]:
-    """Map each key whose tensor is an exact alias (same memory, shape, stride, dtype) of an
-    earlier key to that earlier key: tied embeddings and the like."""
-    first: dict[tuple[Any, ...], str] = {}
-    aliases: dict[str, str] = {}
-    for key, t in state_dict.items():
-        if t.numel() == 0:
-            continue
-        ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if ident in first:
-            aliases[key] = first[ident]
-        else:
-            first[ident] = key
-    return aliases
+from .errors import ArgumentError, CheckpointFormatError
+from .formats.entry import Bytes
+from .formats.safetensors import insert_aliases, parse_aliases, read_header, write_safetensors
+from .io.fileio import Progress, write_checked
 
 
 def _raw(t: Any) -> memoryview:
@@ -53,7 +32,36 @@ def _raw(t: Any) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-def save_tensors(f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> None:
+def _write(t: Any, f: BinaryIO, progress: Progress | None) -> int:
+    """A tensor's bytes, copied to the CPU (and made contiguous) only now: one at a time in memory."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    return write_checked(f, _raw(t), progress)  # t stays referenced until the write returns
+
+
+def entries(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A state dict's tensors as :class:`~.formats.entry.Entry` leaves (other values as they are):
+    exact aliases (same memory, shape, stride, dtype: tied weights) share an ident, so every
+    writer stores them once."""
+    out: dict[str, Any] = {}
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            out[name] = t
+            continue
+        s = t.untyped_storage()
+        nbytes = t.numel() * t.element_size()
+        out[name] = Bytes(
+            str(t.dtype).removeprefix("torch."), tuple(t.shape), nbytes, functools.partial(_write, t),
+            ident=(t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())),
+            storage=(t.device, s.data_ptr()), storage_size=s.nbytes(),
+            complete=t.data_ptr() == s.data_ptr() and nbytes == s.nbytes(),
+        )  # fmt: skip
+    return out
+
+
+def save_tensors(f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *, source: str = "state dict") -> None:
     """Write a mapping of tensors to ``f`` in safetensors format, tied tensors stored once.
 
     Raises:
@@ -61,36 +69,7 @@ def save_tensors(f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[s
     """
     if sys.byteorder != "little":
         raise ArgumentError("writing safetensors needs a little-endian machine")
-    bad = [f"{k} ({type(v).__name__})" for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise ArgumentError(
-            f"safetensors holds only tensors, but {len(bad)} entries are not: {summarize(bad)}; "
-            "save them with a .pt suffix, or pass only the model state dict"
-        )
-    names = torch_dtype_codes()
-    unknown = [f"{k} ({v.dtype})" for k, v in state_dict.items() if v.dtype not in names]
-    if unknown:
-        raise ArgumentError(f"safetensors has no dtype for {summarize(unknown)}; use a .pt suffix")
-    aliases = find_aliases(state_dict)
-    keep = [(k, v) for k, v in state_dict.items() if k not in aliases]
-    meta = {"format": "pt", **(metadata or {})}
-    if aliases:
-        # {alias: [target, position in the original order]} so loading restores order too.
-        position = {k: i for i, k in enumerate(state_dict)}
-        meta[ALIASES_KEY] = json.dumps({a: [t, position[a]] for a, t in aliases.items()})
-    entries = [(k, names[v.dtype], list(v.shape), v.numel() * v.element_size()) for k, v in keep]
-
-    def write_data(crcs: dict[str, int]) -> None:
-        for name, t in keep:
-            t = t.detach()
-            if t.device.type != "cpu":
-                t = t.to("cpu")
-            t = t.contiguous()
-            raw = _raw(t)  # t stays referenced until the write returns
-            crcs[name] = crc32(raw)
-            f.write(raw)
-
-    write_with_crcs(f, entries, meta, write_data)
+    write_safetensors(f, entries(state_dict), {"format": "pt", **(metadata or {})}, source=source)
 
 
 def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[OrderedDict[str, Any], dict[str, str]]:

@@ -70,7 +70,7 @@ def write_to(f: BinaryIO, obj: Any, fmt: Format, dest: Path) -> None:
             obj = obj.state_dict()
         if not isinstance(obj, Mapping):
             raise ArgumentError(f"{dest}: safetensors holds a mapping of tensors, not a {type(obj).__name__}")
-        save_tensors(f, obj)
+        save_tensors(f, obj, source=str(dest))
         return
     _torch_save(obj, f, dest)
 

@@ -20,9 +20,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointFormatError
-from ..io.pages import PAGE
-from .dtypes import BY_SAFETENSORS
+from ..errors import ArgumentError, CheckpointFormatError, summarize
+from ..io.fileio import Progress
+from ..io.pages import PAGE, page_residue
+from .dtypes import BY_NAME, BY_SAFETENSORS
+from .entry import Entry
 
 DTYPE_SIZES: dict[str, int] = {code: d.itemsize for code, d in BY_SAFETENSORS.items()}
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
@@ -31,49 +33,69 @@ CRC_KEY = "ckptkit.crc32"  # {tensor name: CRC-32 of its bytes, 8 hex digits}: l
 _CRC_PLACEHOLDER = "00000000"
 
 
-def crc_metadata(names: Iterable[str], crcs: Mapping[str, int] | None = None) -> str:
+def crc_metadata(names: Iterable[str], crcs: Mapping[str, Any] | None = None) -> str:
     """The CRC_KEY value; with ``crcs`` missing it is a same-length placeholder to patch later."""
     return json.dumps({n: f"{crcs[n]:08x}" if crcs is not None else _CRC_PLACEHOLDER for n in names})
 
 
-def write_with_crcs(
-    f: BinaryIO,
-    entries: list[tuple[str, str, list[int], int]],
-    meta: dict[str, str],
-    write_data: Any,
-    *,
-    known: Mapping[str, int] | None = None,
-    data_at: int | None = None,
-) -> None:
-    """Write header + data; the header's CRCs are patched in place after the data where they
-    were not all ``known`` before it.
+def write_safetensors(
+    f: BinaryIO, state: Mapping[str, Any], metadata: Mapping[str, str], *, source: str, progress: Progress | None = None
+) -> int:
+    """The one safetensors writer: ``state``'s entries, tied ones (equal ``ident``) stored once and
+    recorded under ``ckptkit.aliases``, with ckptkit's per-tensor CRC-32s; returns the bytes stored.
 
-    ``write_data(crcs)`` writes every tensor's bytes in ``entries`` order and fills
-    ``crcs[name]``. ``known``: CRC-32s recorded by the source, which the copy checks its bytes
-    against; when every tensor has one, the header is written once, final, instead of with
-    placeholders rewritten after the data (a page the disk may already be writing back).
-    Placeholders have the same width as CRCs, so a patch leaves every offset as it was.
-    ``data_at``: see :func:`encode_header`.
+    Raises:
+        ArgumentError: naming ``source``: a value that is not a tensor, or a dtype safetensors
+            has no name for.
+
+    Example:
+        >>> write_safetensors(f, {"w": entry}, {"format": "pt"}, source="model.pt")  # doctest: +SKIP
     """
-    names = [e[0] for e in entries]
-    start = f.tell()
+    bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not isinstance(v, Entry)]
+    if bad:
+        raise ArgumentError(f"{source}: safetensors holds only tensors, but {len(bad)} entries are not: {summarize(bad)}; "
+                            "save them with a .pt suffix, or pass only the model state dict")  # fmt: skip
+    unknown = [f"{k} ({v.dtype})" for k, v in state.items() if v.dtype not in BY_NAME or BY_NAME[v.dtype].safetensors is None]
+    if unknown:
+        raise ArgumentError(f"{source}: safetensors has no dtype for {summarize(unknown)}; use a .pt suffix")
+    kept: dict[str, Entry] = {}
+    first: dict[Any, str] = {}
+    aliases: dict[str, list[Any]] = {}
+    for i, (name, e) in enumerate(state.items()):
+        if e.nbytes and e.ident in first:  # {alias: [target, position]}: loading restores the order too
+            aliases[name] = [first[e.ident], i]
+        else:
+            first.setdefault(e.ident, name)
+            kept[name] = e
+    meta = {k: v for k, v in metadata.items() if k not in (ALIASES_KEY, CRC_KEY)}
+    if aliases:
+        meta[ALIASES_KEY] = json.dumps(aliases)
+    entries = [(n, BY_NAME[e.dtype].safetensors or "", list(e.shape), e.nbytes) for n, e in kept.items()]
+    spans: list[tuple[int, int, int]] = []  # (offset in the data section, in the source, length)
+    offset = 0
+    for e in kept.values():
+        if e.at is not None:
+            spans.append((offset, e.at, e.nbytes))
+        offset += e.nbytes
+    start, data_at = f.tell(), page_residue(spans)
 
-    def header(crcs: Mapping[str, int] | None) -> bytes:
-        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(names, crcs)}, data_at=data_at, start=start)
+    def header(crcs: Mapping[str, int | None] | None) -> bytes:
+        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(kept, crcs)}, data_at=data_at, start=start)
 
-    first = header(known if known is not None and all(n in known for n in names) else None)
+    # Where the source records every CRC-32, the header goes out once, final; else with
+    # same-width placeholders patched after the data (a page the disk may be writing back).
+    known = {n: e.crc for n, e in kept.items()}
+    first = header(known if None not in known.values() else None)
     f.write(first)
-    crcs: dict[str, int] = {}
-    write_data(crcs)
-    final = header(crcs)
-    if final == first:
-        return
-    if len(final) != len(first):  # cannot happen: same keys, same widths
-        raise CheckpointFormatError("internal error: safetensors header changed length while patching CRCs")
-    end = f.tell()
-    f.seek(start)
-    f.write(final)
-    f.seek(end)
+    final = header({n: e.write(f, progress) for n, e in kept.items()})
+    if final != first:
+        if len(final) != len(first):  # cannot happen: same keys, same widths
+            raise CheckpointFormatError("internal error: safetensors header changed length while patching CRCs")
+        end = f.tell()
+        f.seek(start)
+        f.write(final)
+        f.seek(end)
+    return offset
 
 
 def header_bytes(

@@ -1,9 +1,13 @@
-"""A checkpoint opened without torch: its object tree, with leaves that know where their bytes are.
+"""A checkpoint file opened without torch: its object tree, with leaves that know where their bytes are.
 
 A torch zip's pickle is read through stand-ins (:class:`~.torchpickle.TensorRef` leaves), a
 safetensors header becomes :class:`StRef` leaves, and Hugging Face shards become one tree over
 every shard's leaves, each leaf's own file at hand (:meth:`Source.part`). Nothing reads tensor
-bytes here; :mod:`.rewrite` copies them. What this path does not model raises :class:`NeedsTorch`.
+bytes here: :meth:`Source.entry` turns a leaf into the :class:`~.entry.Entry` a writer copies
+(and :meth:`Source.records`, a torch zip's storages, for a torch zip written from one), each
+byte checked against the CRC-32 the source records for it as it is copied; a mismatch goes to
+:attr:`Source.damage`, raised once the output is written. What this path does not model raises
+:class:`NeedsTorch` before a byte is written, and the caller falls back to torch.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
+from ..io.fileio import copy_range
 from . import modulepickle as mp
 from . import torchpickle as lp
 from .bounds import check_tensors
 from .detect import DCP, HF, SAFETENSORS, ZIP, detect_format
+from .dtypes import BY_SAFETENSORS
+from .entry import Bytes
 from .hf.index import HfIndex, check_shard_keys, read_index
+from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .safetensors import insert_aliases, parse_aliases, parse_crcs, read_header
-from .torchzip import TorchZip
+from .torchzip import Record, TorchZip
 
 
 class NeedsTorch(Exception):
@@ -59,10 +67,92 @@ class Source:
     owner: dict[int, Source] = field(default_factory=dict)  # id(leaf) -> the part holding it
     index: HfIndex | None = None
     module: str = ""  # a whole pickled module's class (``DataParallel(ToyCNN)``): obj is its state_dict()
+    damage: Damage = field(init=False)
+    _checked: set[Any] = field(default_factory=set)  # views' storages whose whole record was CRC'd
+
+    def __post_init__(self) -> None:
+        self.damage = Damage(str(self.path), self._name)
 
     def part(self, leaf: Any) -> Source:
         """The (single-file) Source whose file holds ``leaf``'s bytes."""
         return self.owner.get(id(leaf), self)
+
+    def entry(self, leaf: Any, name: str) -> Bytes:
+        """Leaf ``name`` as an entry: its bytes as safetensors (and a new torch storage) store them.
+
+        Raises:
+            NeedsTorch: a view that is not contiguous, compressed or big-endian bytes.
+        """
+        part = self.part(leaf)
+        if isinstance(leaf, StRef):
+            return Bytes(BY_SAFETENSORS[leaf.dtype].name, leaf.shape, leaf.length, self._copier(part, leaf.start, leaf.length, leaf.crc, leaf),
+                         crc=leaf.crc, at=leaf.start, ident=leaf)  # fmt: skip
+        t = lp.tensor_of(leaf)
+        if t is None or part.zip is None:
+            raise NeedsTorch(f"{name} is not a plain tensor")
+        if part.zip.byteorder != "little":  # safetensors is little-endian: torch swaps the bytes on load
+            raise NeedsTorch(f"{part.path} was saved big-endian")
+        if not t.is_contiguous():
+            raise NeedsTorch(f"tensor {name} is not contiguous")
+        rec = part.zip.storage(t.storage.key)
+        if rec.method != 0:
+            raise NeedsTorch(f"storage of {name} is compressed")
+        start, length = t.byte_range()
+        if start < 0 or start + length > rec.size:
+            raise CheckpointFormatError(f"{part.path}: tensor {name} reaches past the end of its storage record")
+        storage = (id(part), t.storage.key)  # storage keys repeat across shards
+        whole = start == 0 and length == rec.size  # the zip's CRC covers exactly these bytes
+        copy = self._copier(part, rec.data_offset + start, length, rec.crc if whole else None, (part, rec))
+        return Bytes(t.dtype, t.shape, length, copy, crc=rec.crc if whole else None, at=rec.data_offset + start,
+                     ident=(*storage, t.offset, t.shape, t.stride, t.dtype), storage=storage, storage_size=rec.size,
+                     complete=whole)  # fmt: skip
+
+    def records(self) -> dict[str, Bytes]:
+        """A torch zip's storage records by key, as entries that copy each record as it is."""
+        assert self.zip is not None  # a torch zip file
+        z, out = self.zip, {}
+        data = f"{z.prefix}data/"
+        for rec in z.records:
+            if not rec.name.startswith(data):
+                continue
+            key = rec.name[len(data) :]
+            if rec.method == 0:
+                out[key] = Bytes("uint8", (rec.size,), rec.size, self._copier(self, rec.data_offset, rec.size, rec.crc, (self, rec)),
+                                 crc=rec.crc, at=rec.data_offset)  # fmt: skip
+            else:
+                out[key] = Bytes("uint8", (rec.size,), rec.compressed_size, self._inflated(rec), crc=rec.crc, zip=(rec.method, rec.size))
+        return out
+
+    def _copier(self, part: Source, offset: int, length: int, crc: int | None, key: Any) -> Any:
+        def copy(f: BinaryIO, progress: Any) -> int:
+            if crc is None and isinstance(key, tuple) and (id(part), key[1].name) not in self._checked and part.zip is not None:
+                self._checked.add((id(part), key[1].name))  # a view: the zip's CRC-32 is its whole storage's, checked once
+                self.damage.check(key, key[1].crc, record_crc(part.zip, key[1]))
+            assert part.file is not None  # a part is one open file
+            read = copy_range(part.file, f, offset, length, progress, crc=True)
+            if crc is not None:
+                self.damage.check(key, crc, read)
+            return read
+
+        return copy
+
+    def _inflated(self, rec: Record) -> Any:
+        def copy(f: BinaryIO, progress: Any) -> None:
+            assert self.zip is not None and self.file is not None
+            copy_range(self.file, f, rec.data_offset, rec.compressed_size, progress)
+            self.damage.check((self, rec), rec.crc, record_crc(self.zip, rec))  # None: bytes that do not inflate
+
+        return copy
+
+    def _name(self, key: StRef | tuple[Source, Record]) -> str:
+        """A mismatch named by where its tensors are (``fc1.weight``, and the shard of a sharded
+        source), for a StRef or a zip Record."""
+        if isinstance(key, StRef):
+            part, text = self.part(key), tensors_named([n for n, ref in self.obj.items() if ref is key])  # aliases share one StRef
+        else:
+            part, rec = key
+            text = record_tensors(part.zip, part.obj, rec.name) if part.zip is not None else rec.name
+        return text if part is self else f"{text} of shard {part.path.name}"
 
     def close(self) -> None:
         for p in self.parts:

@@ -11,10 +11,13 @@ Example:
 from __future__ import annotations
 
 import io
+import math
 import pickle
+from collections import OrderedDict
 from typing import Any
 
-from .torchpickle import Global, StorageRef
+from .dtypes import BY_NAME
+from .torchpickle import Global, StorageRef, TensorRef
 
 
 class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
@@ -46,3 +49,30 @@ def dumps(obj: Any) -> tuple[bytes, list[str]]:
     p = _Pickler(buf)
     p.dump(obj)
     return buf.getvalue(), list(p.storage_keys)
+
+
+_GLOBALS: dict[tuple[str, str], Global] = {}
+
+
+def _global(module: str, name: str) -> Global:
+    """One stand-in a name, so a pickle written from new tensors memoizes each global once."""
+    return _GLOBALS.setdefault((module, name), Global(module, name))
+
+
+def new_tensor(key: str, dtype: str, shape: tuple[int, ...]) -> TensorRef:
+    """A contiguous CPU tensor over all of storage ``key``, as ``torch.save`` pickles one.
+
+    Example:
+        >>> t = new_tensor("0", "bfloat16", (2, 3))
+        >>> t.dtype, t.stride, t.storage.numel
+        ('bfloat16', (3, 1), 6)
+    """
+    d = BY_NAME[dtype]
+    numel = math.prod(shape)
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    hooks: OrderedDict[str, Any] = OrderedDict()
+    if d.storage is not None:
+        storage = StorageRef(("storage", _global("torch", d.storage), key, "cpu", numel))
+        return TensorRef(_global("torch._utils", "_rebuild_tensor_v2"), (storage, 0, shape, stride, False, hooks))
+    storage = StorageRef(("storage", _global("torch.storage", "UntypedStorage"), key, "cpu", numel * d.itemsize))
+    return TensorRef(_global("torch._utils", "_rebuild_tensor_v3"), (storage, 0, shape, stride, False, hooks, _global("torch", d.name)))

@@ -1,5 +1,7 @@
-"""torch's zip checkpoint container, written without torch: stored records with torch's
-alignment padding, zip64 where sizes need it, every CRC-32 computed as the bytes are written."""
+"""torch's zip checkpoint, written without torch: :func:`write_torch_zip`, the one torch zip writer
+of an object tree with :class:`~.entry.Entry` tensors, over :class:`ZipWriter`, the container
+(stored records with torch's alignment padding, zip64 where sizes need it, every CRC-32 computed
+as the bytes are written), which ``ckptkit._torchsave`` also feeds from torch's own pickler."""
 
 from __future__ import annotations
 
@@ -7,18 +9,54 @@ import hashlib
 import os
 import struct
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
-from ..io.fileio import Progress, copy_range, crc32, write_checked
+from ..io.fileio import Progress, crc32, write_checked
 from ..io.pages import page_pad
-from .torchzip import Record
+from .entry import Entry, map_entries
+from .torchdump import dumps, new_tensor
 from .zipcheck import CENTRAL as _CENTRAL
 from .zipcheck import LOCAL as _LOCAL
 from .zipcheck import U32
 
 ZIP64_AT = U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
+
+
+def write_torch_zip(
+    f: BinaryIO, obj: Any, *, records: Mapping[str, Entry] | None = None, prefix: str = "archive/",
+    byteorder: str = "little", progress: Progress | None = None,
+) -> int:  # fmt: skip
+    """The one torch zip writer: ``obj`` as the checkpoint ``torch.load`` reads; returns the bytes stored.
+
+    ``obj``'s tensors are :class:`~.entry.Entry` leaves, each stored as a new storage (entries
+    with one ident once, so ties load tied), or torch's own stand-ins (``TensorRef``, views and
+    all) over ``records``: a torch zip's storages by key, copied as they are.
+
+    Example:
+        >>> write_torch_zip(f, {"w": memory_entry("float32", (2,), buf)})  # doctest: +SKIP
+    """
+    table: dict[str, Entry] = dict(records or {})
+    made: dict[Any, Any] = {}
+
+    def stand_in(e: Entry, _: str) -> Any:
+        if e.ident not in made:
+            key = str(len(table))
+            while key in table:
+                key += "_"
+            table[key] = e
+            made[e.ident] = new_tensor(key, e.dtype, e.shape)
+        return made[e.ident]
+
+    pickled, keys = dumps(map_entries(obj, stand_in, lambda v: isinstance(v, Entry)))
+    w = ZipWriter(f, alignment=64)
+    w.start_torch_archive(pickled, prefix, byteorder=byteorder)
+    for key in keys:
+        w.add_entry(f"{prefix}data/{key}", table[key], progress)
+    w.finish_torch_archive(prefix)
+    w.close()
+    return sum(table[k].nbytes for k in keys)
 
 
 class ZipWriter:
@@ -56,12 +94,12 @@ class ZipWriter:
         """
         return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress))
 
-    def add_written(self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None) -> int:
+    def add_written(self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None, like: int | None = None) -> int:
         """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
         of a tensor copied from several files). The header gets ``crc`` where the caller knows what
         the bytes' CRC should be (a DCP tensor's, from its chunks'), else it is patched in after;
         so it is where the bytes turned out otherwise (the caller reports that damage)."""
-        self._header(name.encode(), crc or 0, size, size, zipfile.ZIP_STORED)
+        self._header(name.encode(), crc or 0, size, size, zipfile.ZIP_STORED, like=like)
         start = self.f.tell()
         got = write()
         name_b, _, csize, size_, method, offset = self.entries[-1]
@@ -73,10 +111,10 @@ class ZipWriter:
             os.pwrite(self.f.fileno(), struct.pack("<I", got), offset + 14)  # the local header's CRC-32 field
         return got
 
-    def start_torch_archive(self, pickled: bytes, prefix: str = "archive/") -> str:
+    def start_torch_archive(self, pickled: bytes, prefix: str = "archive/", *, byteorder: str = "little") -> str:
         """torch's opening records: ``data.pkl`` and the small ones before the storages; returns
         ``prefix``, under which ``data/<key>`` records then go."""
-        for name, payload in (("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
+        for name, payload in (("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", byteorder.encode())):
             self.add_bytes(f"{prefix}{name}", payload)
         return prefix
 
@@ -88,22 +126,14 @@ class ZipWriter:
         self.add_bytes(f"{prefix}version", b"3\n")
         self.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
 
-    def add_copy(self, name: str, src: BinaryIO, rec: Record, progress: Progress | None = None) -> int | None:
-        """Copy a record's bytes from another zip, keeping its CRC and compression as they were.
-
-        Returns the CRC-32 of a stored record's bytes as copied, for the caller to hold against
-        ``rec.crc`` (None for a compressed record, whose CRC covers the inflated bytes).
-        """
-        self._header(name.encode(), rec.crc, rec.compressed_size, rec.size, rec.method, like=rec.data_offset)
-        stored = rec.method == zipfile.ZIP_STORED
-        copied = copy_range(src, self.f, rec.data_offset, rec.compressed_size, progress, crc=stored)
-        return copied if stored else None
-
-    def add_range(self, name: str, src: BinaryIO, offset: int, length: int, crc: int, progress: Progress | None = None) -> int:
-        """Store ``length`` bytes of ``src`` from ``offset`` under a CRC the caller knows; returns
-        the CRC-32 of the bytes as copied, for the caller to hold against ``crc``."""
-        self._header(name.encode(), crc, length, length, zipfile.ZIP_STORED, like=offset)
-        return copy_range(src, self.f, offset, length, progress, crc=True)
+    def add_entry(self, name: str, e: Entry, progress: Progress | None = None) -> int | None:
+        """Store an entry's bytes (a compressed zip record as it is); returns their CRC-32 as
+        written, which the entry's source holds against what it records (None: compressed)."""
+        if e.zip is None:
+            return self.add_written(name, e.nbytes, lambda: e.write(self.f, progress) or 0, crc=e.find_crc(), like=e.at)
+        method, size = e.zip
+        self._header(name.encode(), e.crc or 0, e.nbytes, size, method, like=e.at)
+        return e.write(self.f, progress)
 
     def close(self) -> None:
         self.f.flush()

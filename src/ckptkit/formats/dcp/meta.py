@@ -8,7 +8,7 @@ length, transform_descriptors)``: where each chunk's bytes lie in the ``.distcp`
 pure-Python unpickler and inert stand-ins for DCP's own classes (:func:`ckptkit.formats.dcp.is_dcp_class`), it
 becomes the plain records below. A global outside those classes raises
 :class:`~.torchpickle.UnsupportedGlobal`; a structure this reader does not model raises
-:class:`~.rewrite.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
+:class:`~..source.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
 Two rules on those records live here too: where a key goes in the nested state dict
 (:func:`set_element`, as torch's reader places it) and how a tensor's chunks tile it along dim 0
 (:func:`chunks_in_order`).
@@ -30,7 +30,7 @@ from ...errors import PARSE_ERRORS, CheckpointFormatError
 from .. import torchpickle as lp
 from ..detect import DCP_METADATA
 from ..dtypes import BY_NAME
-from ..rewrite import NeedsTorch
+from ..source import NeedsTorch
 from . import is_dcp_class
 
 _META = "torch.distributed.checkpoint.metadata."

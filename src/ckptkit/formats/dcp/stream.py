@@ -4,14 +4,13 @@ FileSystemWriter stores each tensor chunk as a whole ``torch.save`` zip at ``_St
 of a ``.distcp`` file, its bytes in one stored record whose CRC-32 the zip records. A chunk that
 spans every dimension but the first (FSDP2's ``Shard(0)``, or an unsharded tensor) is a
 contiguous run of the full tensor's bytes, so the full tensor is its chunks' bytes in offset
-order. :func:`open_dcp` describes each tensor as those pieces (:class:`DcpTensor`), and the
-writers here copy them kernel-side into one record, checking each piece against its CRC-32 as it
-is copied and combining them into the record's. A writer of another layout (sharded
-safetensors) needs only :meth:`DcpSource.copy`. What this does not model (chunks split along
-another dimension, transforms, non-tensor values beyond plain ones) raises
-:class:`~.rewrite.NeedsTorch` when that tensor's pieces are found: at :func:`open_dcp`, or, opened
-``lazy`` (convert), when the writer reaches it; the writer's atomic output is then dropped and
-convert falls back to torch.
+order. :func:`open_dcp` describes each tensor as those pieces (:class:`DcpTensor`, an
+:class:`~..entry.Entry` every writer takes), which it copies kernel-side, checking each piece
+against its CRC-32 as it is copied and combining them into the tensor's. What this does not
+model (chunks split along another dimension, transforms, non-tensor values beyond plain ones)
+raises :class:`~..source.NeedsTorch` when that tensor's pieces are found: at :func:`open_dcp`,
+or, opened ``lazy`` (convert), when the writer reaches it; the writer's atomic output is then
+dropped and convert falls back to torch.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ from ...io.crcmath import crc32_combine
 from ...io.fileio import Progress, copy_range, crc_of_range
 from .. import torchpickle as lp
 from ..dtypes import BY_NAME
+from ..entry import Entry
 from ..integrity import Check, Damage
-from ..rewrite import NeedsTorch
+from ..source import NeedsTorch
 from ..torchzip import SliceReader, TorchZip
 from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
 
@@ -50,17 +50,38 @@ class Piece(NamedTuple):
 
 
 @dataclass(eq=False)
-class DcpTensor:
+class DcpTensor(Entry):
     """A full tensor as the pieces of its bytes, in order. Where :func:`open_dcp` was ``lazy``,
     they are found when first asked for, or before that by a helper thread while an earlier
-    tensor is copied (:meth:`DcpSource.copy`); an error found then is raised when they are
-    asked for, in the writer's order, as it would have been."""
+    tensor is copied (:meth:`write`); an error found then is raised when they are asked for, in
+    the writer's order, as it would have been."""
 
     fqn: str
     dtype: str
     shape: tuple[int, ...]
     find: Callable[[], tuple[Piece, ...]] = field(repr=False)
+    src: DcpSource = field(repr=False)
     _found: tuple[Piece, ...] | Exception | None = field(default=None, repr=False)
+    at = None  # its pieces lie in several files
+    zip = None
+    complete = True
+
+    @property
+    def ident(self) -> DcpTensor:  # each tensor its own storage
+        return self
+
+    storage = ident
+
+    @property
+    def storage_size(self) -> int:
+        return self.nbytes
+
+    def write(self, f: BinaryIO, progress: Progress | None = None) -> int:
+        return self.src.copy(self, f, progress)
+
+    def find_crc(self) -> int | None:
+        self.pieces  # noqa: B018 - found now: they are copied next
+        return self.crc
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -78,10 +99,13 @@ class DcpTensor:
                 self._found = e
 
     @property
-    def crc(self) -> int:
-        """The CRC-32 its bytes have where each chunk's match the CRC-32 its zip records."""
+    def crc(self) -> int | None:
+        """The CRC-32 its bytes have where each chunk's match the CRC-32 its zip records; None
+        until its pieces are found (a writer does not wait for them)."""
+        if self._found is None or isinstance(self._found, Exception):
+            return None
         crc = 0
-        for p in self.pieces:
+        for p in self._found:
             crc = crc32_combine(crc, p.crc, p.length)
         return crc
 
@@ -100,14 +124,18 @@ class DcpSource:
     files: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
     ahead: list[DcpTensor] = field(default_factory=list)  # pieces not found yet: the next to copy last
+    damage: Damage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.damage = Damage(str(self.folder), lambda key: f"tensor {key[0]} ({key[1].where})")
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
 
-    def copy(self, t: DcpTensor, dst: BinaryIO, damage: Damage, progress: Progress | None = None) -> int:
+    def copy(self, t: DcpTensor, dst: BinaryIO, progress: Progress | None = None) -> int:
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its
-        recorded CRC-32 goes to ``damage`` (the caller raises once everything was read).
+        recorded CRC-32 goes to :attr:`damage` (raised once everything was read).
 
         While the kernel copies a long piece, a helper thread finds the next tensors' pieces
         (:attr:`ahead`): reading a chunk's zip takes ~50 us of Python, 392 chunks per GiB of
@@ -116,7 +144,7 @@ class DcpSource:
         for p in t.pieces:
             aside = self._find_ahead if self.ahead else None
             read = copy_range(self.files[p.file], dst, p.offset, p.length, progress, crc=True, aside=aside)
-            damage.check((t.fqn, p), p.crc, read)
+            self.damage.check((t.fqn, p), p.crc, read)
             crc = crc32_combine(crc, read, p.length)
         return crc
 
@@ -129,9 +157,6 @@ class DcpSource:
                 t.find_ahead()
                 if time.perf_counter() >= deadline:
                     return
-
-    def damage(self) -> Damage:
-        return Damage(str(self.folder), lambda key: f"tensor {key[0]} ({key[1].where})")
 
 
 def is_leaf(value: Any) -> bool:
@@ -175,7 +200,7 @@ def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False) -> DcpSource
             if isinstance(entry, TensorEntry):
                 if entry.dtype not in BY_NAME:
                     raise NeedsTorch(f"tensor {entry.fqn} has dtype {entry.dtype}")
-                value: Any = DcpTensor(entry.fqn, entry.dtype, entry.shape, lambda e=entry: _pieces(src, e, seen))  # type: ignore[misc]
+                value: Any = DcpTensor(entry.fqn, entry.dtype, entry.shape, lambda e=entry: _pieces(src, e, seen), src)  # type: ignore[misc]
                 if not lazy:
                     value.pieces  # noqa: B018 - found now: errors come from open_dcp
                 else:

@@ -3,12 +3,12 @@
 Same split, file names, ``{"format": "pt"}`` shard metadata and index; tied tensors stored once
 under the name sorted first, the others recorded in the index metadata (in the one file's
 metadata when there is one shard). Each shard also records ckptkit's per-tensor CRC-32s, so
-``ckptkit verify`` sees a flipped bit. :func:`write_shards` copies byte ranges of an opened
-source without torch (each byte checked against the source's recorded CRC-32 while copied);
-``ckptkit._hfsave`` feeds :func:`write_folder` from torch tensors.
+``ckptkit verify`` sees a flipped bit. :func:`write_shards` takes :class:`~..entry.Entry`
+tensors, from any source (a file's byte ranges, a DCP folder's chunks, torch tensors), and
+writes each shard with :func:`~..safetensors.write_safetensors`.
 
 Example:
-    >>> write_shards(Path("out"), src, state, max_shard_size=5 * 10**9, progress=None)  # doctest: +SKIP
+    >>> write_shards(Path("out"), entries, max_shard_size=5 * 10**9, source="ddp.pt")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ...errors import summarize
+from ...errors import ArgumentError, summarize
 from ...io.atomicdir import atomic_folder, check_folder_destination
 from ...io.fileio import Progress
-from ..dcp import stream as dcps
-from ..dcp import write as dcpcopy
 from ..detect import HF, HF_INDEXES
+from ..entry import Entry
 from ..integrity import check_written
-from ..rewrite import NeedsTorch, Source, locate, write_safetensors
+from ..safetensors import write_safetensors
+from ..source import NeedsTorch
 from .index import HF_FILE, drop_tied, index_bytes, split
 
 _OPEN_AT_MOST = 64  # shard files kept open for their fsync at the end (well under any descriptor limit)
@@ -77,39 +77,42 @@ def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, 
             os.fsync(synced.fileno())
 
 
-def plan(entries: list[tuple[str, Any, int, Any, bool]], *, max_shard_size: int) -> Written:
-    """The shards for ``(name, storage id or None, storage bytes, view identity, is the whole
-    storage)`` entries: exact aliases of a whole storage are tied (stored once), the rest split.
-
-    Raises:
-        NeedsTorch: different views of one storage (the caller decides how to store them).
+def plan(state: Mapping[str, Entry], *, max_shard_size: int, views: bool = False) -> Written:
+    """The shards for ``state``: exact aliases of a whole storage are tied (stored once), the rest
+    split by storage size, as huggingface_hub does. ``views``: different views of one storage are
+    each stored as a tensor of its own (else they raise NeedsTorch, for the caller to decide).
     """
     groups: dict[Any, list[str]] = {}
-    for name, storage, _, _, _ in entries:
-        if storage is not None:
-            groups.setdefault(storage, []).append(name)
-    by_name = {e[0]: e for e in entries}
+    for name, e in state.items():
+        if e.nbytes:
+            groups.setdefault(e.ident if views else e.storage, []).append(name)
     for names in groups.values():
-        if len(names) > 1 and (len({by_name[n][3] for n in names}) > 1 or not by_name[names[0]][4]):
+        if len(names) > 1 and (len({state[n].ident for n in names}) > 1 or not state[names[0]].complete):
             raise NeedsTorch(f"tensors {summarize(names)} are different views of one storage")
     tied = drop_tied(groups)
-    files, total = split([(n, s, size) for n, s, size, _, _ in entries if n not in tied], max_shard_size=max_shard_size)
+    sizes = [(n, (e.ident if views else e.storage) if e.nbytes else None, e.storage_size) for n, e in state.items()]
+    files, total = split([s for s in sizes if s[0] not in tied], max_shard_size=max_shard_size)
     return Written(files, total, tied)
 
 
 def write_shards(
-    dest: Path, src: Source | dcps.DcpSource, state: Mapping[str, Any], *, max_shard_size: int, progress: Progress | None
-) -> Written:
-    """Write ``state`` (leaves of ``src``: a file's, or a DCP folder's chunked tensors) as a
-    sharded folder at ``dest``, torch-free."""
-    entries: list[tuple[str, Any, int, Any, bool]]
-    if isinstance(src, dcps.DcpSource):  # each tensor its own storage, copied chunk by chunk
-        entries = [(n, id(t), getattr(t, "nbytes", 0), id(t), True) for n, t in state.items()]
-        write: Any = dcpcopy.write_safetensors
-    else:
-        located = {name: locate(src, ref, name) for name, ref in state.items()}
-        entries = [(n, b.storage if b.length else None, b.storage_size, b.ident, b.complete) for n, b in located.items()]
-        write = write_safetensors
-    written = plan(entries, max_shard_size=max_shard_size)
-    write_folder(dest, written, lambda f, names, meta: write(f, src, {n: state[n] for n in names}, progress, metadata=meta))
+    dest: Path, state: Mapping[str, Any], *, max_shard_size: int, source: str, progress: Progress | None = None,
+    views: bool = False, after: Callable[[], object] = lambda: None,
+) -> Written:  # fmt: skip
+    """Write ``state`` (names -> :class:`~..entry.Entry`) as a sharded folder at ``dest``;
+    ``after()`` runs once each shard is written, before anything is published (a source's
+    damage check).
+
+    Raises:
+        ArgumentError: a value is not a tensor; NeedsTorch: views of one storage (see :func:`plan`).
+    """
+    bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not isinstance(v, Entry)]
+    if bad:
+        raise ArgumentError(f"{source}: Hugging Face shards hold only tensors; not tensors: {summarize(bad)}")
+    written = plan(state, max_shard_size=max_shard_size, views=views)
+    def write_shard(f: BinaryIO, names: list[str], meta: dict[str, str]) -> None:
+        write_safetensors(f, {n: state[n] for n in names}, meta, source=source, progress=progress)
+        after()
+
+    write_folder(dest, written, write_shard)
     return written
