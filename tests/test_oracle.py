@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,7 +51,8 @@ def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
 
 @st.composite
 def state_dicts(draw: st.DrawFn) -> dict[str, torch.Tensor]:
-    """1-4 tensors under one wrapper nesting, of any dtype and shape, some non-contiguous."""
+    """1-4 tensors under one wrapper nesting, of any dtype and shape, some non-contiguous, maybe a
+    tied name (the same tensor object under a second name) and torch's ``_metadata``."""
     wrapper = draw(st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."]))
     inner = draw(st.sampled_from(["", "_orig_mod."]))  # a wrapped submodule, below the root
     names = draw(st.lists(st.sampled_from(["enc.w", "enc.b", "dec.w", "head.weight", "norm.bias", "step"]),
@@ -63,6 +65,11 @@ def state_dicts(draw: st.DrawFn) -> dict[str, torch.Tensor]:
             t = _values(dtype, shape[::-1], seed=i).t()  # a transposed view: not contiguous
         head, _, leaf = name.rpartition(".")
         out[f"{wrapper}{head}.{inner}{leaf}" if head else f"{wrapper}{leaf}"] = t
+    if draw(st.booleans()):  # a tied weight, as a model's tied embedding and head save it
+        out[f"{wrapper}tied.weight"] = next(iter(out.values()))
+    if draw(st.booleans()):
+        out = OrderedDict(out)
+        out._metadata = OrderedDict({"": {"version": 1}})  # type: ignore[attr-defined]  # as state_dict() sets it
     return out
 
 
@@ -75,6 +82,8 @@ def canonical(key: str) -> str:
 
 
 def _contiguous(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What safetensors-based writers take: contiguous tensors, none shared (ties are HF's own
+    business: they drop them on save, and the model re-ties them on load)."""
     return {k: v.contiguous().clone() for k, v in sd.items()}
 
 
@@ -105,8 +114,33 @@ def write_dcp(sd: dict[str, torch.Tensor], folder: Path) -> Path:
     return folder / "src.dcp"
 
 
+def write_hf_bin(sd: dict[str, torch.Tensor], folder: Path) -> Path:
+    from huggingface_hub import save_torch_state_dict
+
+    (folder / "bin").mkdir()
+    save_torch_state_dict(_contiguous(sd), folder / "bin", max_shard_size=64, safe_serialization=False)
+    return folder / "bin"
+
+
+def write_module(sd: dict[str, torch.Tensor], folder: Path) -> Path:
+    """A whole pickled module (``torch.save(model)``) whose state_dict() is ``sd``: each name a
+    buffer of nested modules, ties and views as they are."""
+    root = torch.nn.Module()
+    for key, t in sd.items():
+        *path, leaf = key.split(".")
+        node = root
+        for part in path:
+            if part not in node._modules:
+                node.add_module(part, torch.nn.Module())
+            node = node._modules[part]  # type: ignore[assignment]
+        node.register_buffer(leaf, t)
+    torch.save(root, folder / "module.pt")
+    return folder / "module.pt"
+
+
 SOURCES: dict[str, Callable[[dict[str, torch.Tensor], Path], Path]] = {
-    "torch": write_torch, "safetensors": write_safetensors, "hf": write_hf, "dcp": write_dcp}  # fmt: skip
+    "torch": write_torch, "safetensors": write_safetensors, "hf": write_hf, "hf-bin": write_hf_bin, "dcp": write_dcp,
+    "module": write_module}  # fmt: skip
 
 
 # -- the outputs, each read back by its peer's reader --------------------------------------------
@@ -137,6 +171,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Bit for bit. A name tied to another may be missing where the peer's reader leaves re-tying
+    to the model (safetensors' aliases, HF's dropped ties): then the names it is tied to are there."""
+    for k in set(want) - set(got):
+        assert any(want[k] is v and o in got for o, v in want.items() if o != k), f"{k} missing"
+        got = {**got, k: got[next(o for o, v in want.items() if v is want[k] and o in got)]}
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
@@ -217,5 +256,67 @@ def test_selections_equal_plain_torch(source: str, output: str, sd: dict[str, to
             assert code in (1, 2) and len(out.strip().splitlines()) == 1 and not (folder / name).exists(), out
             return
         check(src, folder / name, args, want)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- load_for_rank into a model with real ties ----------------------------------------------------
+
+
+class TiedNet(torch.nn.Module):
+    """A language model's shape in little: the head shares the embedding's weight."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(7, 4, dtype=dtype)
+        self.body = torch.nn.Linear(4, 4, dtype=dtype)
+        self.norm = torch.nn.LayerNorm(4, dtype=dtype)
+        self.head = torch.nn.Linear(4, 7, bias=False, dtype=dtype)
+        self.head.weight = self.emb.weight
+
+
+def _save_model(model: torch.nn.Module, folder: Path, how: str, wrapper: str) -> Path:
+    """``model`` saved as users save it: a wrapped state dict or a training checkpoint through
+    torch, safetensors' ``save_model`` and huggingface_hub (which store the tie once), DCP."""
+    sd = {wrapper + k: v for k, v in model.state_dict().items()}
+    if how == "torch":
+        torch.save(sd, folder / "m.pt")
+        return folder / "m.pt"
+    if how == "training":
+        torch.save({"model": sd, "optimizer": {"state": {}, "param_groups": []}, "epoch": 3}, folder / "m.pt")
+        return folder / "m.pt"
+    if how == "safetensors":
+        from safetensors.torch import save_model
+
+        save_model(model, str(folder / "m.safetensors"))
+        return folder / "m.safetensors"
+    if how in ("hf", "hf-bin"):
+        from huggingface_hub import save_torch_state_dict
+
+        (folder / how).mkdir()
+        save_torch_state_dict(model.state_dict(), folder / how, max_shard_size=200, safe_serialization=how == "hf")
+        return folder / how
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sd, checkpoint_id=folder / "m.dcp", no_dist=True)
+    return folder / "m.dcp"
+
+
+@pytest.mark.parametrize("how", ["torch", "training", "safetensors", "hf", "hf-bin", "dcp"])
+@ORACLE
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       wrapper=st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod."]))  # fmt: skip
+def test_load_for_rank_fills_a_tied_model_like_plain_torch(how: str, seed: int, dtype: torch.dtype, wrapper: str) -> None:
+    """The oracle: the saved model's own state_dict(). The tie must hold after the load (the head
+    is still the embedding), and every value equal bit for bit."""
+    torch.manual_seed(seed)
+    saved = TiedNet(dtype)
+    folder = Path(tempfile.mkdtemp(prefix="oracle-"))
+    try:
+        path = _save_model(saved, folder, how, wrapper)
+        fresh = TiedNet(dtype)
+        ckptkit.load_for_rank(path, model=fresh)
+        assert fresh.head.weight is fresh.emb.weight
+        _same(dict(fresh.state_dict()), dict(saved.state_dict()))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
