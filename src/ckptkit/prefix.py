@@ -5,34 +5,25 @@ DistributedDataParallel), ``_orig_mod.`` (torch.compile), in any nesting and als
 root when only a submodule was wrapped (``encoder._orig_mod.layer.weight``). The functions here
 return a new ``OrderedDict`` holding the same value objects in the same order, and carry
 ``state_dict._metadata`` (per-module versions that BatchNorm and others read when loading)
-over to the renamed module paths. Nothing here imports torch, so the CLI can rename keys in a
-checkpoint it never fully loads.
+over to the renamed module paths. Finding which wrappers the keys carry (:func:`detect_prefixes`,
+:class:`PrefixInfo`) lives in :mod:`ckptkit._wrapperkeys`; this module is its public home.
+Nothing here imports torch, so the CLI can rename keys in a checkpoint it never fully loads.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._wrapperkeys import WRAPPER_PREFIXES, PrefixInfo, canonical_key, check_prefix, detect_prefixes, wrapper_names
 from .errors import ArgumentError, summarize
 
-WRAPPER_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
-def check_prefix(prefix: str) -> str:
-    if not isinstance(prefix, str) or not prefix.endswith(".") or prefix.strip(".") == "" or ".." in prefix:
-        raise ArgumentError(f"prefix must be a dotted module path ending in '.', like 'module.'; got {prefix!r}")
-    return prefix
-
-
-def wrapper_names(wrappers: Iterable[str]) -> frozenset[str]:
-    """The path segments of wrapper prefixes: ``{"module", "_orig_mod"}`` for the defaults."""
-    return frozenset(check_prefix(w)[:-1] for w in wrappers)
-
-
-def canonical_key(key: str, names: frozenset[str]) -> str:
-    """``key`` without its wrapper segments (``names``): ``module.enc._orig_mod.w`` -> ``enc.w``."""
-    return ".".join(p for p in key.split(".") if p not in names)
+# The public key tools: the renaming below, and the detection it builds on (kept in _wrapperkeys).
+__all__ = [
+    "WRAPPER_PREFIXES", "PrefixInfo", "adapt_state_dict", "add_prefix", "canonical_key", "check_prefix",
+    "detect_prefixes", "rewrite_prefixes", "strip_prefix", "wrapper_names",
+]  # fmt: skip
 
 
 def _rebuild(
@@ -104,73 +95,6 @@ def add_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> Ordere
         meta[""] = {"version": 1}
         meta.move_to_end("", last=False)
     return out
-
-
-@dataclass(frozen=True)
-class PrefixInfo:
-    """What :func:`detect_prefixes` found.
-
-    Attributes:
-        leading: wrapper prefixes every key starts with, outermost first,
-            e.g. ``("module.", "_orig_mod.")``.
-        nested: wrapper paths found deeper inside keys, e.g. ``("encoder._orig_mod.",)``.
-        common: a non-wrapper prefix every key shares after the wrappers (Lightning's
-            ``model.``), or ``""``.
-    """
-
-    leading: tuple[str, ...] = ()
-    nested: tuple[str, ...] = ()
-    common: str = ""
-
-    @property
-    def prefix(self) -> str:
-        """The leading wrappers as one string, e.g. ``"module._orig_mod."``."""
-        return "".join(self.leading)
-
-    @property
-    def wrapped(self) -> bool:
-        """True when any wrapper prefix was found."""
-        return bool(self.leading or self.nested)
-
-
-def detect_prefixes(
-    state_dict: Mapping[str, Any] | Iterable[str], *, wrappers: Iterable[str] = WRAPPER_PREFIXES
-) -> PrefixInfo:
-    """Report which wrapper prefixes the keys of a state dict carry.
-
-    Example:
-        >>> detect_prefixes({"_orig_mod.module.fc.weight": 0}).leading
-        ('_orig_mod.', 'module.')
-    """
-    names = wrapper_names(wrappers)
-    split = [k.split(".") for k in state_dict]
-    if not split:
-        return PrefixInfo()
-    leading: list[str] = []
-    depth = 0
-    while True:
-        heads = {parts[depth] if len(parts) > depth + 1 else None for parts in split}
-        if len(heads) != 1:
-            break
-        head = heads.pop()
-        if head not in names:
-            break
-        leading.append(head + ".")
-        depth += 1
-    nested: dict[str, None] = {}
-    for parts in split:
-        for i in range(depth, len(parts) - 1):
-            if parts[i] in names:
-                nested[".".join(parts[: i + 1]) + "."] = None
-    common: list[str] = []
-    if len(split) > 1:
-        i = depth
-        while all(len(p) > i + 1 for p in split) and len({p[i] for p in split}) == 1:
-            if split[0][i] in names:
-                break
-            common.append(split[0][i])
-            i += 1
-    return PrefixInfo(tuple(leading), tuple(nested), ".".join(common) + "." if common else "")
 
 
 def _target_keys(target: Any) -> tuple[list[str], dict[str, int] | None]:

@@ -6,7 +6,8 @@ A module pickle builds each module with ``NEWOBJ`` (or ``copyreg._reconstructor`
 is an inert :class:`Instance` that only records that state (its module is never imported, so a
 deleted class reads as well as ``torch.nn.Linear``), and the walk of ``nn.Module.state_dict()``
 runs over those records: a module's parameters, then its persistent buffers, then its children,
-``None`` entries skipped. Wrappers need nothing special: DDP and DataParallel hold the model in
+``None`` entries skipped (those records and that walk are :mod:`.moduletree`; the unpickler
+that builds them is here). Wrappers need nothing special: DDP and DataParallel hold the model in
 ``_modules["module"]``, torch.compile's ``OptimizedModule`` in ``_modules["_orig_mod"]``, so the
 keys come out as their ``state_dict()`` names them. DDP's ``__setstate__`` (which needs a
 process group) is never called.
@@ -38,6 +39,8 @@ from typing import Any, ClassVar
 from ..errors import PICKLE_ERRORS, CheckpointFormatError
 from . import pickleglobals as pg
 from . import torchpickle as tp
+from .moduletree import Instance, Unmodelled, describe, is_module, state_dict
+from .moduletree import Unbounded as Unbounded  # re-exported: callers catch mp.Unbounded
 
 # Classes whose __reduce__ calls them with arguments: torch.compile's wrapper (pickled as
 # OptimizedModule(mod, dynamo_ctx), no state) and its dynamo context.
@@ -45,8 +48,6 @@ _COMPILED = "torch._dynamo.eval_frame.OptimizedModule"
 BUILT_BY_CALL = frozenset({_COMPILED, "torch._dynamo.eval_frame.OptimizeContext"})
 # Globals that context holds as values (its backend's context-manager factory).
 HARMLESS_VALUES = frozenset({"contextlib.nullcontext"})
-# Wrapper classes and the attribute holding the module they wrap (for the description only).
-WRAPPERS = {"DistributedDataParallel": "module", "DataParallel": "module", "OptimizedModule": "_orig_mod"}
 _RECONSTRUCTOR, _OBJECT, _GETATTR = "copyreg._reconstructor", "builtins.object", "builtins.getattr"
 # torch.Tensor.__reduce_ex__ of a tensor with a __dict__: _rebuild_from_type_v2(builder, torch.Tensor, args, attributes)
 _FROM_TYPE, _TENSOR = "torch._tensor._rebuild_from_type_v2", "torch.Tensor"
@@ -54,10 +55,6 @@ _FROM_TYPE, _TENSOR = "torch._tensor._rebuild_from_type_v2", "torch.Tensor"
 
 class NotAModule(Exception):
     """The pickle's top-level object is not a module: read it as any other checkpoint."""
-
-
-class Unmodelled(Exception):
-    """A module whose ``state_dict()`` needs its own code (the message says why)."""
 
 
 class UnsafeModulePickle(Exception):
@@ -68,33 +65,12 @@ class UnsafeModulePickle(Exception):
         self.names, self.description = names, description
 
 
-class Instance:
-    """An object of a class that was never imported: the class's name, its arguments, its state."""
-
-    def __init__(self, cls: tp.Global, args: tuple[Any, ...]) -> None:
-        self.cls, self.args = cls, args
-        self.state: Any = None
-
-    @property
-    def attrs(self) -> Mapping[str, Any]:
-        """Its ``__dict__`` as pickled (a ``(dict, slots)`` pair's dict)."""
-        state = self.state[0] if isinstance(self.state, tuple) and len(self.state) == 2 else self.state
-        return state if isinstance(state, Mapping) else {}
-
-    def __repr__(self) -> str:
-        return f"<{self.cls!r} stand-in>"
-
-
 @dataclass
 class PickledModule:
     """A pickled module's ``state_dict()`` and what it was, e.g. ``DistributedDataParallel(ToyCNN)``."""
 
     state: OrderedDict[str, Any]
     description: str
-
-
-def is_module(obj: Any) -> bool:
-    return isinstance(obj, Instance) and all(isinstance(obj.attrs.get(k), Mapping) for k in ("_parameters", "_buffers", "_modules"))
 
 
 class ModuleUnpickler(tp._Unpickler):
@@ -202,71 +178,6 @@ class ModuleUnpickler(tp._Unpickler):
         if unsafe and not self.trust:
             raise UnsafeModulePickle(unsafe, describe(root))
         return root
-
-
-def describe(module: Instance) -> str:
-    """``ToyCNN``, or ``DistributedDataParallel(ToyCNN)`` for a wrapper around one."""
-    names: list[str] = []
-    node: Any = module
-    while isinstance(node, Instance) and is_module(node) and len(names) < 8:
-        names.append(node.cls.name)
-        inner = WRAPPERS.get(node.cls.name)
-        node = node.attrs["_modules"].get(inner) if inner else None
-    return "(".join(names) + ")" * (len(names) - 1)
-
-
-MAX_MODULE_VISITS = 200_000  # the largest models have a few thousand modules
-
-
-class Unbounded(CheckpointFormatError):
-    """The walk would not end: a child shared along so many paths that its keys grow as 2**depth."""
-
-
-def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[str, Any]:
-    """``root.state_dict()`` computed from the pickled attributes; ``leaf(key, value)`` gives each tensor.
-
-    Iterative, in ``nn.Module.state_dict()``'s order (a module's entries, then each child's in
-    turn), so no nesting depth makes it fail where the pickle itself loaded.
-
-    Raises:
-        Unmodelled: state-dict hooks, or a child that is not a pickled module.
-        CheckpointFormatError: a module that contains itself, or one reached along so many paths
-            that the walk would not end (:data:`MAX_MODULE_VISITS`).
-    """
-    out: OrderedDict[str, Any] = OrderedDict()
-    active: set[int] = set()  # the modules on the path from the root: a cycle comes back to one
-    todo: list[tuple[Any, str | None]] = [(root, "")]  # (module, prefix), or (module, None): leaving it
-    visits = 0
-    while todo:
-        module, prefix = todo.pop()
-        if prefix is None:
-            active.discard(id(module))
-            continue
-        visits += 1
-        if visits > MAX_MODULE_VISITS:  # a child shared along many paths: 2**depth visits from a few kB
-            raise Unbounded(f"its modules would be visited more than {MAX_MODULE_VISITS:,} times (a submodule shared along many paths)")
-        where = prefix.rstrip(".") or "the top-level module"
-        if not is_module(module):
-            raise Unmodelled(f"{where} is a {type(module).__name__}, not a pickled module")
-        if id(module) in active:
-            raise CheckpointFormatError(f"module {where} contains itself")
-        active.add(id(module))
-        attrs = module.attrs
-        if ".quantized" in getattr(module.cls, "module", ""):  # packed weights, saved by its own _save_to_state_dict
-            raise Unmodelled(f"{where} ({module.cls.name}) is a quantized module, whose state_dict() is its own code")
-        for hooks in ("_state_dict_hooks", "_state_dict_pre_hooks"):
-            if attrs.get(hooks):
-                raise Unmodelled(f"{where} ({module.cls.name}) has {len(attrs[hooks])} {hooks}, which state_dict() would run")
-        for name, value in attrs["_parameters"].items():
-            if value is not None:
-                out[prefix + name] = leaf(prefix + name, value)
-        skip = attrs.get("_non_persistent_buffers_set") or ()
-        for name, value in attrs["_buffers"].items():
-            if value is not None and name not in skip:
-                out[prefix + name] = leaf(prefix + name, value)
-        todo.append((module, None))
-        todo += [(child, f"{prefix}{name}.") for name, child in reversed(attrs["_modules"].items()) if child is not None]
-    return out
 
 
 def _tensor_ref(key: str, value: Any) -> tp.TensorRef:

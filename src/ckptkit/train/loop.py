@@ -1,6 +1,7 @@
 """The training loop, in the order it runs: processes, parts, resume, epochs, the end.
 
-``train`` reads top to bottom; each step is a small function below it. Everything about
+``train`` reads top to bottom; each step is a small function below it, except the first and
+the last, joining and leaving the process group, which are :mod:`.processes`. Everything about
 checkpoints goes through ckptkit's public API: rank-0 atomic saves every rank waits for,
 weights-only loads, the resumable sampler, an agreed stop on a signal, a ``latest`` pointer
 that only ever names a complete file.
@@ -10,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ import ckptkit
 
 from .config import TrainConfig, check, check_environment
 from .log import Logger
+from .processes import Env, end_processes, start_processes
 from .schedule import LRSchedule, planned_steps
 from .task import default_data, default_model, factory, seed_generators
 
@@ -38,7 +38,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     """
     check(cfg)
     check_environment(cfg)
-    env = _start_processes(cfg)
+    env = start_processes(cfg)  # 1. processes and devices
     log = Logger(Path(cfg.out) / "metrics.jsonl", enabled=env.master, progress=env.master and sys.stdout.isatty())
     run = _build(cfg, env, model, data)
     _resume(cfg, env, run, log)
@@ -60,50 +60,9 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
             run.sampler.set_epoch(run.epoch)  # the checkpoint then says "epoch+1, position 0"
             _save(cfg, run, log, saver, "epoch end")
     result = _finish(cfg, env, run, log, stop, saver, status, val_acc)
-    del run, stop, saver  # DDP holds the process group: free it before the group goes (see _end_processes)
-    _end_processes(env)
+    del run, stop, saver  # DDP holds the process group: free it before the group goes (see end_processes)
+    end_processes(env)
     return result
-
-
-# -- 1. processes and devices ---------------------------------------------------------------------
-
-
-@dataclass
-class _Env:
-    device: Any
-    backend: str
-    distributed: bool
-    rank: int
-    world: int
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def _start_processes(cfg: TrainConfig) -> _Env:
-    import torch
-    import torch.distributed as dist
-
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    # cuda:LOCAL_RANK, wrapping around when more ranks than GPUs share a node (2 processes on 1 GPU over gloo)
-    device = torch.device(ckptkit.device_for_rank(cuda_available=use_cuda) if use_cuda else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    distributed = "WORLD_SIZE" in os.environ
-    if distributed and not dist.is_initialized():
-        # torchrun's store outlives a failed attempt; without a fresh key prefix per attempt,
-        # restarted workers read the dead attempt's gloo addresses and fail to connect (seen
-        # with torch 2.13 under --max-restarts; cf. pytorch/pytorch#167288).
-        store, env_rank, env_world = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"ckptkit/attempt_{attempt}", store),
-                                rank=env_rank, world_size=env_world)  # fmt: skip
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    if rank == 0:
-        (Path(cfg.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
-    return _Env(device, backend if distributed else "none", distributed, rank, world)
 
 
 # -- 2. the parts: model, optimizer, schedule, mixed precision, data --------------------------------
@@ -135,7 +94,7 @@ class _Run:
         return bool(cfg.max_steps) and self.step >= cfg.max_steps
 
 
-def _build(cfg: TrainConfig, env: _Env, model: Any, data: tuple[Any, Any] | None) -> _Run:
+def _build(cfg: TrainConfig, env: Env, model: Any, data: tuple[Any, Any] | None) -> _Run:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
@@ -174,7 +133,7 @@ def _build(cfg: TrainConfig, env: _Env, model: Any, data: tuple[Any, Any] | None
 # -- 3. resume: rank 0 picks the newest intact checkpoint (every CRC checked), every rank loads it ---
 
 
-def _resume(cfg: TrainConfig, env: _Env, run: _Run, log: Logger) -> None:
+def _resume(cfg: TrainConfig, env: Env, run: _Run, log: Logger) -> None:
     path = None if cfg.resume == "none" else run.ckpts.latest(full=True) if cfg.resume == "auto" else Path(cfg.resume)
     if path is None:
         return
@@ -193,7 +152,7 @@ def _resume(cfg: TrainConfig, env: _Env, run: _Run, log: Logger) -> None:
 # -- 4. one epoch: optimizer steps of --accum micro-batches; log, maybe stop, maybe save ------------
 
 
-def _run_epoch(cfg: TrainConfig, env: _Env, run: _Run, log: Logger, stop: Any, saver: Any) -> str:
+def _run_epoch(cfg: TrainConfig, env: Env, run: _Run, log: Logger, stop: Any, saver: Any) -> str:
     import torch
     import torch.nn.functional as F
 
@@ -248,7 +207,7 @@ def _save(cfg: TrainConfig, run: _Run, log: Logger, saver: Any, reason: str) -> 
     log.event("save", step=run.step, reason=reason, blocking_s=round(time.perf_counter() - started, 6), async_save=saver is not None)
 
 
-def _log_train(env: _Env, run: _Run, log: Logger) -> None:
+def _log_train(env: Env, run: _Run, log: Logger) -> None:
     import torch
     import torch.distributed as dist
 
@@ -263,7 +222,7 @@ def _log_train(env: _Env, run: _Run, log: Logger) -> None:
     run.seen, run.tick = 0, now
 
 
-def _evaluate(env: _Env, run: _Run, log: Logger) -> float:
+def _evaluate(env: Env, run: _Run, log: Logger) -> float:
     """Accuracy on the validation set, over every rank's shard (draws no random numbers)."""
     import torch
     import torch.distributed as dist
@@ -287,7 +246,7 @@ def _evaluate(env: _Env, run: _Run, log: Logger) -> float:
 # -- 5. the end: the last checkpoint, then the plain single-device weights --------------------------
 
 
-def _finish(cfg: TrainConfig, env: _Env, run: _Run, log: Logger, stop: Any, saver: Any, status: str, val_acc: float) -> dict[str, Any]:
+def _finish(cfg: TrainConfig, env: Env, run: _Run, log: Logger, stop: Any, saver: Any, status: str, val_acc: float) -> dict[str, Any]:
     # Cut by --max-steps mid-epoch, or resumed with nothing left to do: evaluate what we have.
     if status == "done" and (run.sampler.position not in (0, len(run.sampler.dataset)) or math.isnan(val_acc)):
         val_acc = _evaluate(env, run, log)
@@ -301,14 +260,3 @@ def _finish(cfg: TrainConfig, env: _Env, run: _Run, log: Logger, stop: Any, save
     log.event("end", status=status, step=run.step, epoch=run.epoch, **({"val_acc": val_acc} if status == "done" else {}))
     log.close()
     return {"status": status, "step": run.step, "epoch": run.epoch, "val_acc": val_acc}
-
-
-def _end_processes(env: _Env) -> None:
-    """Leave the process group while Python is fully alive (the caller has dropped the DDP model
-    that holds it): destroy_process_group() then tears every gloo group down now, not during
-    interpreter exit, where a gloo worker thread can abort the process (pytorch#179291)."""
-    import torch.distributed as dist
-
-    if env.distributed:
-        gc.collect()  # DDP's reference cycles
-        dist.destroy_process_group()
