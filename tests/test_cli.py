@@ -303,7 +303,7 @@ def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, m
     DST as it was."""
     from safetensors.torch import save_file
 
-    import ckptkit._convert as fp
+    import ckptkit._convjob as fp
 
     save_file({"teacher.w": torch.arange(1000.0), "student.w": torch.arange(1010.0)}, tmp_path / "both.safetensors")
     dst = tmp_path / "s.safetensors"

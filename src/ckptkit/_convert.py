@@ -11,32 +11,27 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from ._convreport import ConvertReport, other_wrapped_weights, renamed_prefixes, tied_names
-from ._layout import find_model_state, replace_at
+from ._convjob import Job, fast_write
+from ._convreport import ConvertReport
 from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
-from ._unwrap import AVERAGED_COUNT, without_averaged_count
 from ._write import SUFFIX_FORMATS, format_for, write_to
-from .errors import ArgumentError, spell, summarize
+from .errors import ArgumentError, spell
 from .formats import modulepickle as mp
 from .formats import source as fp
 from .formats.dcp import stream as dcps
-from .formats.detect import DCP, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
-from .formats.entry import Entry, map_entries
-from .formats.hf.index import DEFAULT_MAX_SHARD_SIZE, parse_size, shard_note
-from .formats.hf.write import check_destination, write_shards
-from .formats.integrity import check_recorded_crcs, check_written
-from .formats.safetensors import write_safetensors
+from .formats.deepspeed import stream as dss
+from .formats.deepspeed.files import check_zero_source
+from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
+from .formats.hf.index import DEFAULT_MAX_SHARD_SIZE, parse_size
+from .formats.hf.write import check_destination
+from .formats.integrity import check_recorded_crcs
 from .formats.torchpickle import UnsupportedGlobal
-from .formats.zipwrite import write_torch_zip
-from .io.atomic import atomic_write
 from .io.atomicdir import check_folder_destination
-from .prefix import rewrite_prefixes
 
 
 def _dcp_flag() -> str:
@@ -94,6 +89,7 @@ def convert_checkpoint(
     weights_only: bool | None = None,
     max_shard_size: int | str | None = None,
     format: Literal["dcp"] | None = None,
+    zero_weights: Literal["fp32", "module"] = "fp32",
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -109,10 +105,12 @@ def convert_checkpoint(
     other writers record no CRC-32s, so there is nothing to check their bytes against. A DCP
     folder is copied chunk by chunk, in little memory at any size, unless its chunks are split
     along a dimension other than the first (then torch loads it whole; ``fallback_reason`` says why).
+    A DeepSpeed ZeRO folder gives the fp32 state dict ``zero_to_fp32`` rebuilds (its names, order,
+    dtypes, bits and ties), copied from the ranks' partitions, each byte checked against its CRC-32.
 
     Args:
-        src: torch zip or legacy file, safetensors file, DCP folder, or Hugging Face shards (their
-            folder or ``*.index.json``).
+        src: torch zip or legacy file, safetensors file, DCP folder, Hugging Face shards (their
+            folder or ``*.index.json``), or a DeepSpeed ZeRO folder (holding ``latest``, or ``global_stepN/``).
         dst: output path; ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
             zip (suffixes in any case). A path ending in ``/``, an existing folder, or any
             ``max_shard_size`` writes a folder of Hugging Face safetensors shards instead, as
@@ -135,14 +133,16 @@ def convert_checkpoint(
             own writer, after ckptkit's safe read of ``src``), which
             ``torch.distributed.checkpoint.load`` reads into a plain or an FSDP2 model; the
             folder appears complete or not at all. None: the format ``dst``'s suffix names.
+        zero_weights: for a DeepSpeed ZeRO source: ``"fp32"`` (the master weights, as ``zero_to_fp32``)
+            or ``"module"`` (the 16-bit ``module`` state dict as saved; ZeRO stage 1/2 only).
 
     Returns:
         A :class:`ConvertReport`.
 
     Raises:
         CheckpointFormatError: ``src`` is damaged (its bytes differ from their recorded CRC-32s)
-            or is not a checkpoint; ArgumentError, CheckpointNotFoundError, UnsafeCheckpointError,
-            CheckpointWriteError as their names say.
+            or is not a checkpoint, or is one ZeRO-3 rank's file (PartialCheckpointError, naming its
+            folder); ArgumentError, CheckpointNotFoundError, UnsafeCheckpointError, CheckpointWriteError as their names say.
 
     Example:
         >>> convert_checkpoint("ddp.pt", "single.pt")  # doctest: +SKIP
@@ -168,17 +168,22 @@ def convert_checkpoint(
         check_destination(source, dest, force=force)
     out_fmt = HF if folder else _check_paths(source, dest, force, format)
     in_fmt = detect_format(source)
-    job = _Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
+    check_zero_source(source, in_fmt, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
+    job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
     total = fp.checkpoint_bytes(source, in_fmt)
     report_progress = (lambda n: progress(n, total)) if progress else None
-    reason = "trusted file: loaded with torch" if trust else "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
-    if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP):
+    reason = "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
+    reason = reason or ("trusted file: loaded with torch" if trust and in_fmt != DEEPSPEED else "")  # ZeRO: nothing to trust
+    if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP, DEEPSPEED):
         try:
-            view = dcps.open_dcp(source, lazy=True) if in_fmt == DCP else fp.open_source(source, in_fmt)
+            view = dss.open_deepspeed(source, zero_weights=zero_weights) if in_fmt == DEEPSPEED else \
+                dcps.open_dcp(source, lazy=True) if in_fmt == DCP else fp.open_source(source, in_fmt)  # fmt: skip
             try:
-                is_leaf = dcps.is_leaf if isinstance(view, dcps.DcpSource) else fp.is_leaf
-                report = job.run(view.obj, is_leaf, lambda f, obj, sd: _fast_write(f, view, obj, sd, job, limit, report_progress))
+                total = view.nbytes if isinstance(view, dss.DsSource) else total  # its partitions, not the optimizer states
+                is_leaf = dcps.is_leaf if isinstance(view, dcps.DcpSource) else dss.is_leaf if isinstance(view, dss.DsSource) else fp.is_leaf
+                report = job.run(view.obj, is_leaf, lambda f, obj, sd: fast_write(f, view, obj, sd, job, limit, report_progress))
                 report.pickled_module = view.module if isinstance(view, fp.Source) else ""
+                report.notes += [f"{view.description}: {view.weights_from}"] if isinstance(view, dss.DsSource) else []
                 return report
             finally:
                 view.close()
@@ -192,9 +197,10 @@ def convert_checkpoint(
             reason = f"{e}: loaded with torch"
     elif not reason:
         reason = f"{in_fmt} input: loaded with torch"
-    from ._read import read_checkpoint  # deferred: torch is imported only when this path is taken
+    from ._read import read_checkpoint, read_deepspeed  # deferred: torch is imported only when this path is taken
 
-    obj = read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)
+    obj = read_deepspeed(source, map_location="cpu", zero_weights=zero_weights) if in_fmt == DEEPSPEED else \
+        read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)  # fmt: skip
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt, progress=report_progress)
     if out_fmt == HF:
@@ -213,95 +219,3 @@ def convert_checkpoint(
         if report.pickled_module:  # nothing of the pickle was run: only its tensors went through torch
             report.fallback_reason = "trusted file: its tensors were read through torch"
     return report
-
-
-@dataclass
-class _Job:
-    source: Path
-    dest: Path
-    in_fmt: Format
-    out_fmt: Format
-    to: Literal["single", "ddp", "keep"]
-    strip: list[str]
-    add: list[str]
-    model_only: bool
-    key: str | None
-
-    def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
-        path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
-        # An AveragedModel's count goes with its wrapper: a plain model has no such buffer.
-        plain = without_averaged_count(state) if self.to != "keep" else state
-        counted, state = plain is not state, plain
-        new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
-        others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
-        if path and path[-1].endswith("."):  # key="student.": part of the weights
-            if not self.model_only:
-                raise ArgumentError(
-                    f"{spell(f'key={self.key!r}', f'--key {self.key}')} selects part of {self.source}'s weights; "
-                    f"add {spell('model_only=True', '--model-only')} to write that part alone, or rename it in place "
-                    f"with {spell(f'strip=[{path[-1]!r}]', f'--strip {path[-1]}')}"
-                )
-            node = obj
-            for part in path[:-1]:
-                node = node[part]
-            rest = sum(1 for k in node if not str(k).startswith(path[-1]))
-            others = (others if len(path) > 1 else []) + [f"{rest} weight(s) outside {path[-1]}"] * bool(rest)
-        if self.out_fmt in (SAFETENSORS, HF) and others and not self.model_only:
-            raise ArgumentError(
-                f"{self.source} holds {summarize(others)} besides the weights, and safetensors stores tensors only; "
-                f"pass {spell('model_only=True', '--model-only')} to write just the model weights"
-            )
-        out = new_state if self.model_only else replace_at(obj, path, new_state)
-        written = None
-        if self.out_fmt in (HF, DCP):  # a folder: its writer owns the temp folder and the swap
-            written = write(None, out, new_state)
-        else:
-            with atomic_write(self.dest, check=lambda tmp: check_written(tmp, self.out_fmt, dest=self.dest)) as f:
-                write(f, out, new_state)
-        hf: Any = written if self.out_fmt == HF else None  # formats.hf.write.Written
-        before, after = renamed_prefixes(list(state), list(new_state))
-        notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
-        if counted:
-            keep = spell("to='keep'", "--to keep")
-            notes.append(f"{AVERAGED_COUNT} (AveragedModel's count of averaged models) not written: a plain model "
-                         f"has no such buffer; {keep} keeps it")  # fmt: skip
-        return ConvertReport(
-            source=str(self.source),
-            destination=str(self.dest),
-            source_format=self.in_fmt,
-            destination_format=self.out_fmt,
-            weights_at="/".join(path),
-            tensors=len(new_state),
-            renamed=sum(a != b for a, b in zip(state, new_state, strict=True)),
-            prefix_before=before,
-            prefix_after=after,
-            dropped=others if self.model_only else [],
-            left=[] if self.model_only else other_wrapped_weights(obj, path, is_tensor),
-            tied=tied_names(self.dest) if self.out_fmt == SAFETENSORS else [f"{a} is {b}" for a, b in hf.tied.items()] if hf else [],
-            bytes=sum(f.stat().st_size for f in self.dest.iterdir()) if self.dest.is_dir() else self.dest.stat().st_size,
-            shards=len(hf.files) if hf else 0,
-            notes=notes,
-        )
-
-
-def _fast_write(f: Any, view: fp.Source | dcps.DcpSource, obj: Any, state: Any, job: _Job, limit: int, progress: Any) -> Any:
-    """The torch-free path: the source's tensors as entries, into the one writer of the output's
-    format; a byte that differs from its source's CRC-32 fails the whole output."""
-    if isinstance(view, dcps.DcpSource):
-        name, entry, meta = str(view.folder), (lambda v, _: v), {"format": "pt"}
-    else:
-        name, entry = str(view.path), (lambda v, k: view.entry(v, k) if fp.is_leaf(v) else v)
-        meta = view.metadata or {} if view.fmt == SAFETENSORS else {"format": "pt"}
-    written = None
-    if job.out_fmt in (HF, SAFETENSORS):
-        tensors = {k: entry(v, k) for k, v in state.items()}
-        if job.out_fmt == HF:
-            written = write_shards(job.dest, tensors, max_shard_size=limit, source=name, progress=progress, after=view.damage.raise_if_any)
-        else:
-            write_safetensors(f, tensors, meta, source=name, progress=progress)
-    elif isinstance(view, fp.Source) and view.zip is not None:  # storages copied as they are, views and all
-        write_torch_zip(f, obj, records=view.records(), prefix=view.zip.prefix, byteorder=view.zip.byteorder, progress=progress)
-    else:
-        write_torch_zip(f, map_entries(obj, entry, lambda v: isinstance(v, Entry) or fp.is_leaf(v)), progress=progress)
-    view.damage.raise_if_any()
-    return written

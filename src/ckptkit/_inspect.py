@@ -19,12 +19,14 @@ from typing import Any
 
 from ._layout import find_model_state
 from ._safety import AllowGlobals, filter_unsafe
-from .errors import CheckpointFormatError, LayoutError
+from .errors import CheckpointFormatError, LayoutError, PartialCheckpointError
 from .formats import modulepickle as mp
 from .formats import source as fp
 from .formats import torchpickle as tp
 from .formats.dcp import stream as dcps
-from .formats.detect import DCP, HF, SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.deepspeed import stream as dss
+from .formats.deepspeed.files import refuse_rank_file
+from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.dtypes import BY_SAFETENSORS
 from .formats.hf.index import shard_note
 from .formats.scan import checkpoint_globals
@@ -168,6 +170,17 @@ def _fast_dcp(path: Path) -> tuple[Any, Any, _Info, dict[str, Any], str]:
     return src.obj, dcps.is_leaf, info, {}, ""
 
 
+def _fast_deepspeed(path: Path) -> tuple[Any, Any, _Info, dict[str, Any], str]:
+    src = dss.open_deepspeed(path)
+    src.close()  # the rebuilt names, shapes and dtypes: read from the pickles alone
+
+    def info(name: str, t: dss.DsTensor) -> tuple[TensorInfo, Any, int]:
+        return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
+
+    meta = {"deepspeed": src.description, "weights": src.weights_from}
+    return src.obj, dss.is_leaf, info, meta, ""
+
+
 def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any], str]:
     import torch
 
@@ -188,6 +201,9 @@ def inspect_checkpoint(
 ) -> CheckpointSummary:
     """Summarise a checkpoint: layout, where the weights are, prefixes, tensors, metadata.
 
+    A DeepSpeed ZeRO folder is described as the fp32 state dict ``zero_to_fp32`` rebuilds, its
+    metadata saying which stage, how many ranks, which tag and where the weights are.
+
     Torch zip and safetensors files are read without torch (pickle or header only). A file
     whose pickle needs globals outside torch's allowlist (and ``allow_globals``) is described
     by what it needs (``needs_trust``) unless ``trust`` is given.
@@ -202,7 +218,15 @@ def inspect_checkpoint(
     summary = CheckpointSummary(str(p), fmt, checkpoint_bytes(p, fmt))
     summary.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     loaded = None
-    if fmt == DCP and not trust:
+    if fmt == ZIP:
+        try:
+            refuse_rank_file(p)
+        except PartialCheckpointError as e:  # described as it is, with where its weights really are
+            summary.notes.append(str(e))
+    if fmt == DEEPSPEED:  # read inertly whatever trust says: its pickles hold nothing to run
+        loaded = _fast_deepspeed(p)
+        summary.notes.append(f"{loaded[3]['deepspeed']}: {loaded[3]['weights']}")
+    elif fmt == DCP and not trust:
         try:
             loaded = _fast_dcp(p)
         except (fp.NeedsTorch, tp.UnsupportedGlobal):

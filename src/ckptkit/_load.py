@@ -36,9 +36,10 @@ def load_for_rank(
     collective: each rank reads the file itself.
 
     Args:
-        path: a torch checkpoint (zip or legacy format), a ``.safetensors`` file or a
-            ``torch.distributed.checkpoint`` folder (these two record no device: they land on
-            this rank's device).
+        path: a torch checkpoint (zip or legacy format), a ``.safetensors`` file, a
+            ``torch.distributed.checkpoint`` folder, or a DeepSpeed ZeRO folder (its fp32 weights,
+            as ``zero_to_fp32`` rebuilds them; one ZeRO-3 rank's file alone is refused). The last
+            three record no device: they land on this rank's device.
         model: when given, the weights are found in the checkpoint (top level, or under
             ``state_dict``/``model``/``model_state_dict``/``module``...), their wrapper prefixes
             (``module.``, ``_orig_mod.``, nested) adapted to ``model``'s, and loaded. Tied

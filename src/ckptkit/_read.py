@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import torch
 
 from ._dcpread import read_dcp
 from ._devices import MapLocation, single_device
 from ._safety import AllowGlobals
-from ._sttorch import load_tensors
+from ._sttorch import load_tensors, tensor_bytes
 from ._torchload import torch_load
 from .errors import CheckpointFormatError
-from .formats.detect import DCP, HF, SAFETENSORS, detect_format
+from .formats.deepspeed.files import refuse_rank_file
+from .formats.deepspeed.stream import open_deepspeed
+from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, detect_format
 from .formats.hf.index import check_shard_keys, read_index, shard_note
 
 
@@ -27,8 +32,9 @@ def read_checkpoint(
     allow_globals: AllowGlobals = (),
     mmap: bool = True,
 ) -> Any:
-    """Load a torch zip or legacy file, a safetensors file, a DCP folder, or Hugging Face shards
-    (their folder or index: one state dict, checked against the index) (no model involved).
+    """Load a torch zip or legacy file, a safetensors file, a DCP folder, Hugging Face shards
+    (their folder or index: one state dict, checked against the index), or a DeepSpeed ZeRO
+    folder (the fp32 state dict ``zero_to_fp32`` rebuilds: :func:`read_deepspeed`) (no model involved).
 
     Not a collective: each rank reads the file itself. Safe by default: pickles load with
     ``weights_only=True``. A whole pickled module (``torch.save(model, path)``, DDP/DataParallel/
@@ -48,7 +54,8 @@ def read_checkpoint(
     Raises:
         CheckpointNotFoundError, CheckpointFormatError (damaged, or not a checkpoint),
         UnsupportedCheckpointError (a TorchScript or torch.export archive), UnsafeCheckpointError,
-        ClassNotFoundError (a trusted pickle's class cannot be imported), ArgumentError.
+        ClassNotFoundError (a trusted pickle's class cannot be imported), ArgumentError,
+        PartialCheckpointError (one ZeRO-3 rank's file: the message names the folder to give).
 
     Example:
         >>> ckpt = read_checkpoint("fixtures/train_ckpt.pt", map_location="cpu")  # doctest: +SKIP
@@ -69,6 +76,10 @@ def _read(source: str, *, map_location: MapLocation, trust: bool, allow_globals:
         return load_tensors(source, device=single_device(map_location, source, "a safetensors file"))[0]
     if fmt == DCP:
         return read_dcp(source, trust=trust, allow_globals=allow_globals, map_location=map_location)
+    if fmt == DEEPSPEED:  # tensors and DeepSpeed's own records only, read inertly: nothing to trust
+        return read_deepspeed(source, map_location=map_location)
+    if fmt == ZIP:  # an intact torch zip, but its weights are 0-element placeholders
+        refuse_rank_file(Path(source))
     return torch_load(source, fmt, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
 
 
@@ -88,4 +99,43 @@ def _read_shards(source: str, **options: Any) -> OrderedDict[str, Any]:
     out: OrderedDict[str, Any] = OrderedDict((k, shards[s][k]) for k, s in index.weight_map.items())
     for alias, kept in index.tied().items():
         out[alias] = out[kept]
+    return out
+
+
+def read_deepspeed(
+    path: str | os.PathLike[str], *, map_location: MapLocation = None, zero_weights: Literal["fp32", "module"] = "fp32"
+) -> OrderedDict[str, Any]:
+    """A DeepSpeed ZeRO folder's weights as tensors: the fp32 state dict DeepSpeed's
+    ``zero_to_fp32`` rebuilds (its names, order, dtypes and bits; tied names one tensor), or with
+    ``zero_weights="module"`` the 16-bit ``module`` state dict as saved (ZeRO stage 1/2).
+
+    Each tensor is copied from the ranks' partitions through one scratch file into its own memory,
+    so no more than the result is held; every byte is checked against its record's CRC-32.
+
+    Raises:
+        CheckpointFormatError: files missing, of another checkpoint, or damaged; ArgumentError.
+
+    Example:
+        >>> sd = read_deepspeed("ckpt/", map_location="cpu")  # doctest: +SKIP
+    """
+    device = single_device(map_location, os.fspath(path), "a DeepSpeed ZeRO folder")
+    src = open_deepspeed(path, zero_weights=zero_weights)
+    out: OrderedDict[str, Any] = OrderedDict()
+    made: dict[int, Any] = {}
+    try:
+        with tempfile.TemporaryFile() as scratch:  # the copy writes to a file: the kernel's copy, CRC'd
+            for name, e in src.obj.items():
+                if id(e) not in made:
+                    t = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+                    scratch.seek(0)
+                    scratch.truncate()
+                    e.write(scratch)
+                    scratch.seek(0)
+                    if scratch.readinto(tensor_bytes(t)) != e.nbytes:
+                        raise CheckpointFormatError(f"{src.folder}: tensor {name}: fewer bytes than its {e.nbytes}")
+                    made[id(e)] = t.to(device) if device != "cpu" else t
+                out[name] = made[id(e)]
+        src.damage.raise_if_any()
+    finally:
+        src.close()
     return out

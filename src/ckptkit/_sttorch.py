@@ -24,7 +24,7 @@ from .formats.safetensors import insert_aliases, parse_aliases, read_header, wri
 from .io.fileio import Progress, write_checked
 
 
-def _raw(t: Any) -> memoryview:
+def tensor_bytes(t: Any) -> memoryview:
     """The bytes of a CPU contiguous tensor, without copying them."""
     n = t.numel() * t.element_size()
     if n == 0:
@@ -38,7 +38,7 @@ def _write(t: Any, f: BinaryIO, progress: Progress | None) -> int:
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
-    return write_checked(f, _raw(t), progress)  # t stays referenced until the write returns
+    return write_checked(f, tensor_bytes(t), progress)  # t stays referenced until the write returns
 
 
 def entries(state_dict: Mapping[str, Any]) -> dict[str, Any]:

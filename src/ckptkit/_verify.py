@@ -27,7 +27,8 @@ from .errors import (
 )
 from .formats.dcp import unsafe_metadata_globals
 from .formats.dcp.stream import chunk_crc_check, open_dcp
-from .formats.detect import DCP, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
+from .formats.deepspeed import zero_checks
+from .formats.detect import DCP, DEEPSPEED, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.hf.index import read_index, shard_note
 from .formats.integrity import Check, safetensors_checks, zip_checks
 from .formats.scan import checkpoint_globals, pickle_globals
@@ -98,8 +99,9 @@ def verify_checkpoint(
     """Check integrity (zip CRCs, header bounds, storage extents, DCP shards) and safety.
 
     Args:
-        path: a checkpoint file, DCP folder, or Hugging Face shards (folder or index: every shard is
-            checked, and the index against what the shards hold).
+        path: a checkpoint file, DCP folder, Hugging Face shards (folder or index: every shard is
+            checked, and the index against what the shards hold), or a DeepSpeed ZeRO folder (its
+            rank files' pickles, the rebuild's layout, and every record of the files it reads).
         full: read every payload byte (CRC-32s) and try a weights-only load where the
             torch-free checks cannot judge the pickle. ``False`` checks structure only (headers,
             pickles, bounds, shard sizes): what picking a checkpoint to resume from needs.
@@ -118,7 +120,7 @@ def verify_checkpoint(
         report.checks.append(Check("format", "integrity", False, str(e)))
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
-    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp, HF: _hf}[report.format]
+    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp, HF: _hf, DEEPSPEED: _deepspeed}[report.format]
     total = checkpoint_bytes(p, report.format)
     report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
@@ -202,6 +204,10 @@ def _dcp(p: Path, full: bool, progress: Progress | None) -> list[Check]:
         return checks + _dcp_entries(p, meta) + [_dcp_shards(p, meta)]
     except PARSE_ERRORS as e:  # DCP's own classes holding the wrong things: a damaged .metadata
         return [*checks, Check("metadata", "integrity", False, f".metadata is malformed ({type(e).__name__}: {e})")]
+
+
+def _deepspeed(p: Path, full: bool, progress: Progress | None) -> list[Check]:
+    return zero_checks(p, full=full, progress=progress)
 
 
 def _dcp_shards(p: Path, meta: Any) -> Check:

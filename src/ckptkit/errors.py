@@ -30,6 +30,7 @@ __all__ = [
     "ClassNotFoundError",
     "DistributedError",
     "LayoutError",
+    "PartialCheckpointError",
     "ResumeError",
     "StateDictMismatchError",
     "UnsafeCheckpointError",
@@ -65,6 +66,12 @@ class CheckpointFormatError(CkptkitError, ValueError):
 
 class UnsupportedCheckpointError(CheckpointFormatError):
     """An intact file of a kind ckptkit does not read (a TorchScript or torch.export archive)."""
+
+
+class PartialCheckpointError(CheckpointFormatError):
+    """The path is one part of a checkpoint that is only whole as a folder (a DeepSpeed ZeRO-3
+    rank's model-state file, whose parameters are 0-element placeholders); the message names the
+    folder to give instead."""
 
 
 class ClassNotFoundError(CkptkitError, ImportError):

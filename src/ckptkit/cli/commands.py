@@ -36,24 +36,29 @@ ALLOW_GLOBAL = click.option(
               help="Write DST as a folder of Hugging Face safetensors shards of at most SIZE (bytes, or 5GB, 500MB).")  # fmt: skip
 @click.option("--format", "out_format", type=click.Choice(["dcp"]), default=None,
               help="dcp: write DST as a torch.distributed.checkpoint folder (default: the format DST's suffix names).")  # fmt: skip
+@click.option("--zero-weights", type=click.Choice(["fp32", "module"]), default="fp32", show_default=True,
+              help="For a DeepSpeed ZeRO folder: fp32 (the master weights, as zero_to_fp32) or module (the 16-bit "
+              "module weights as saved; stage 1/2 only).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tuple[str, ...], add: tuple[str, ...],
             model_only: bool, key: str | None, trust: bool, allow_global: tuple[str, ...], force: bool,
-            max_shard_size: str | None, out_format: Literal["dcp"] | None, as_json: bool) -> None:  # fmt: skip
+            max_shard_size: str | None, out_format: Literal["dcp"] | None, zero_weights: Literal["fp32", "module"],
+            as_json: bool) -> None:  # fmt: skip
     """Rewrite SRC's weight names for another wrapping into DST (format by DST suffix).
 
     Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
     they were unless --model-only. DST appears only when complete; SRC is never modified.
     SRC may be Hugging Face shards (their folder or index), a DCP folder (copied chunk by chunk)
-    or a whole pickled model (torch.save(model): its state_dict(), read without running it).
+    or a whole pickled model (torch.save(model): its state_dict(), read without running it), or a
+    DeepSpeed ZeRO folder (the one holding latest, or global_stepN/): the fp32 weights zero_to_fp32 rebuilds.
     A DST ending in / (or an existing folder, or --max-shard-size) is written as Hugging Face
     safetensors shards (default 5GB each); --format dcp writes a DCP folder.
     """
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
         report = ckptkit.convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
                                     trust=trust, allow_globals=allow_global, force=force, progress=progress,
-                                    max_shard_size=max_shard_size, format=out_format)  # fmt: skip
+                                    max_shard_size=max_shard_size, format=out_format, zero_weights=zero_weights)  # fmt: skip
     if as_json:
         emit_json(report.to_dict())
         return

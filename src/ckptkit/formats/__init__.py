@@ -22,6 +22,10 @@ Modules, by format:
 - ``dcp/``: torch.distributed.checkpoint: its metadata's globals (the package), ``meta`` (the
   metadata read through stand-ins), ``stream`` (a folder's tensors as entries: chunk byte ranges);
 - ``hf/``: Hugging Face shards: ``index``, ``write``;
+- ``deepspeed/``: DeepSpeed ZeRO folders: ``files`` (layout, tag, rank files, pickles read
+  through inert stand-ins, refusal of a ZeRO-3 rank file alone), ``rebuild`` (``zero_to_fp32``'s
+  rules as byte ranges of the partition records; buffer upcast), ``stream`` (the rebuilt fp32
+  state dict as entries, each record's CRC-32 checked from its copied pieces);
 - across formats: ``source`` (a file, or a folder of shards, opened as a tree of entries),
   ``integrity`` (is it intact; a writer's check before it publishes).
 

@@ -16,6 +16,17 @@ from .dtypes import BY_NAME, BY_STORAGE
 
 TENSOR_BUILDERS = frozenset({"_rebuild_tensor_v2", "_rebuild_tensor_v3"})
 PARAM_BUILDERS = frozenset({"_rebuild_parameter", "_rebuild_parameter_with_state"})
+# Globals DeepSpeed's ZeRO pickles name beyond torch's (fp32 partitions with a ``ds_id`` attribute go
+# through ``_rebuild_from_type_v2``). Only ``formats.deepspeed.files``' unpickler admits them, as the
+# same inert records as every other stand-in: nothing is imported or run, and no other reader sees them.
+DEEPSPEED_GLOBALS = frozenset({
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch", "Tensor"),
+})  # fmt: skip
 REAL_GLOBALS = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
 
 
