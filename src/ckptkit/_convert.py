@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
-from ._convjob import Job, fast_write
+from ._convjob import Job, fast_cast, fast_write
 from ._convreport import ConvertReport
 from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
@@ -23,6 +23,7 @@ from ._write import SUFFIX_FORMATS, format_for, write_to
 from .errors import ArgumentError, spell
 from .formats import modulepickle as mp
 from .formats import source as fp
+from .formats.cast import Cast, target_dtype
 from .formats.dcp import stream as dcps
 from .formats.deepspeed import stream as dss
 from .formats.deepspeed.files import check_zero_source
@@ -90,6 +91,8 @@ def convert_checkpoint(
     max_shard_size: int | str | None = None,
     format: Literal["dcp"] | None = None,
     zero_weights: Literal["fp32", "module"] = "fp32",
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None,
+    sanitize: bool = False,
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -135,6 +138,16 @@ def convert_checkpoint(
             folder appears complete or not at all. None: the format ``dst``'s suffix names.
         zero_weights: for a DeepSpeed ZeRO source: ``"fp32"`` (the master weights, as ``zero_to_fp32``)
             or ``"module"`` (the 16-bit ``module`` state dict as saved; ZeRO stage 1/2 only).
+        dtype: cast the model weights' floating tensors (float16, bfloat16, float32, float64) to
+            ``"bf16"``, ``"fp16"`` or ``"fp32"``, with the values torch's ``.to()`` gives (round to
+            nearest even; NaN and inf kept); integer, bool, complex and float8 tensors and everything
+            besides the weights (optimizer state) are left as they are. Torch-free where the copy is,
+            each source byte still checked. ``notes`` say what was cast. None: no cast.
+        sanitize: with ``trust``, make what is written loadable by ``torch.load(weights_only=True)``:
+            ``argparse.Namespace`` and dataclass instances become dicts, numpy arrays tensors, numpy
+            scalars Python values, numpy RNG state plain lists and ints; anything else a weights-only
+            load refuses is an error naming its key path. Tensors are written byte for byte;
+            ``notes`` and ``sanitized`` list every change.
 
     Returns:
         A :class:`ConvertReport`.
@@ -146,12 +159,21 @@ def convert_checkpoint(
 
     Example:
         >>> convert_checkpoint("ddp.pt", "single.pt")  # doctest: +SKIP
+        >>> convert_checkpoint("old.pt", "clean.pt", trust=True, sanitize=True, dtype="bf16")  # doctest: +SKIP
     """
     if weights_only is not None:
         warnings.warn("convert_checkpoint(weights_only=...) is now model_only=...", DeprecationWarning, stacklevel=2)
         model_only = model_only or weights_only
     if to not in ("single", "ddp", "keep"):
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
+    if dtype is not None:
+        target_dtype(dtype)  # a bad choice fails before any file is touched
+    if sanitize and not trust:
+        raise ArgumentError(
+            f"{spell('sanitize=True', '--sanitize')} rebuilds {src}'s pickled objects (argparse.Namespace, numpy "
+            f"arrays and RNG state) to turn them into plain values, and only an unrestricted unpickle builds them; "
+            f"add {spell('trust=True', '--trust')} if you trust {src} (unpickling can run code it names)"
+        )
     source, dest = Path(src), Path(dst)
     check_exists(source)
     if format not in (None, DCP):
@@ -181,9 +203,14 @@ def convert_checkpoint(
             try:
                 total = view.nbytes if isinstance(view, dss.DsSource) else total  # its partitions, not the optimizer states
                 is_leaf = dcps.is_leaf if isinstance(view, dcps.DcpSource) else dss.is_leaf if isinstance(view, dss.DsSource) else fp.is_leaf
+                cast = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
+                job.cast = fast_cast(view, cast) if cast else None
                 report = job.run(view.obj, is_leaf, lambda f, obj, sd: fast_write(f, view, obj, sd, job, limit, report_progress))
                 report.pickled_module = view.module if isinstance(view, fp.Source) else ""
                 report.notes += [f"{view.description}: {view.weights_from}"] if isinstance(view, dss.DsSource) else []
+                report.notes += cast.notes() if cast else []
+                report.cast = list(cast.names) if cast else []
+                report.notes += ["sanitize: nothing to change (the weights were read without unpickling anything)"] * sanitize
                 return report
             finally:
                 view.close()
@@ -203,6 +230,20 @@ def convert_checkpoint(
         read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)  # fmt: skip
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt, progress=report_progress)
+    cast, changes = Cast(dtype) if dtype else None, []
+    if cast is not None:
+        from ._torchcast import cast_tensors  # deferred with torch, as above
+
+        job.cast = lambda state: cast_tensors(state, cast)
+    if sanitize:
+        from ._sanitize import sanitize as make_plain  # deferred with torch, as above
+
+        def finish(out: object) -> object:
+            plain, found = make_plain(out, source=str(source))
+            changes.extend(found)
+            return plain
+
+        job.finish = finish
     if out_fmt == HF:
         from ._hfsave import save_shards  # deferred with torch, as above
 
@@ -214,6 +255,11 @@ def convert_checkpoint(
     else:
         report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
     report.fast, report.fallback_reason = False, reason
+    report.notes += cast.notes() if cast else []
+    report.cast, report.sanitized = list(cast.names) if cast else [], changes
+    if sanitize:
+        report.notes.append(f"sanitized for torch.load(weights_only=True): {'; '.join(changes)}" if changes else
+                            "sanitize: nothing to change (torch.load(weights_only=True) reads it as it was)")  # fmt: skip
     if trust and in_fmt == ZIP:  # read by the same inert walk (_torchload), if it is a whole module
         report.pickled_module = pickled_module_name(source)
         if report.pickled_module:  # nothing of the pickle was run: only its tensors went through torch

@@ -18,6 +18,7 @@ from ._layout import find_model_state, replace_at
 from ._unwrap import AVERAGED_COUNT, without_averaged_count
 from .errors import ArgumentError, spell, summarize
 from .formats import source as fp
+from .formats.cast import Cast
 from .formats.dcp import stream as dcps
 from .formats.deepspeed import stream as dss
 from .formats.detect import DCP, HF, SAFETENSORS, Format
@@ -42,6 +43,8 @@ class Job:
     add: list[str]
     model_only: bool
     key: str | None
+    cast: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None  # the weights, cast (--dtype)
+    finish: Callable[[Any], Any] | None = None  # what is written, made plain (--sanitize)
 
     def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
@@ -49,6 +52,8 @@ class Job:
         plain = without_averaged_count(state) if self.to != "keep" else state
         counted, state = plain is not state, plain
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
+        if self.cast is not None:  # after renaming: the report names tensors as they are written
+            new_state = self.cast(new_state)
         others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
         if path and path[-1].endswith("."):  # key="student.": part of the weights
             if not self.model_only:
@@ -68,6 +73,9 @@ class Job:
                 f"pass {spell('model_only=True', '--model-only')} to write just the model weights"
             )
         out = new_state if self.model_only else replace_at(obj, path, new_state)
+        if self.finish is not None:  # on what is written only: what --model-only drops needs no change
+            out = self.finish(out)
+            new_state = out if self.model_only or not path else new_state
         written = None
         if self.out_fmt in (HF, DCP):  # a folder: its writer owns the temp folder and the swap
             written = write(None, out, new_state)
@@ -115,9 +123,24 @@ def fast_write(f: Any, view: fp.Source | dcps.DcpSource | dss.DsSource, obj: Any
             written = write_shards(job.dest, tensors, max_shard_size=limit, source=name, progress=progress, after=view.damage.raise_if_any)
         else:
             write_safetensors(f, tensors, meta, source=name, progress=progress)
-    elif isinstance(view, fp.Source) and view.zip is not None:  # storages copied as they are, views and all
+    elif isinstance(view, fp.Source) and view.zip is not None and job.cast is None:  # storages copied as they are, views and all
         write_torch_zip(f, obj, records=view.records(), prefix=view.zip.prefix, byteorder=view.zip.byteorder, progress=progress)
     else:
         write_torch_zip(f, map_entries(obj, entry, lambda v: isinstance(v, Entry) or fp.is_leaf(v)), progress=progress)
     view.damage.raise_if_any()
     return written
+
+
+def fast_cast(view: fp.Source | dcps.DcpSource | dss.DsSource, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """The weights with each floating tensor ``cast`` wants wrapped to be cast as it is copied
+    (:class:`~ckptkit.formats.cast.CastEntry`: torch-free, each source byte still checked); a
+    torch zip is then written tensor by tensor, not storage by storage."""
+
+    def run(state: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, v in state.items():
+            e = view.entry(v, name) if isinstance(view, fp.Source) and fp.is_leaf(v) else v
+            out[name] = cast.wrap(e, name) if isinstance(e, Entry) and cast.wants(e.dtype) else v
+        return out
+
+    return run

@@ -36,7 +36,10 @@ class ConvertReport:
         fallback_reason: why the torch path was used, when it was.
         bytes: size of the written file (of every file, for a folder).
         shards: for a Hugging Face sharded output, how many shard files.
-        notes: what the caller should know (the source is one shard of a sharded checkpoint).
+        notes: what the caller should know (the source is one shard of a sharded checkpoint;
+            what ``dtype`` cast, what ``sanitize`` changed).
+        cast: with ``dtype``, the names of the tensors cast (as written).
+        sanitized: with ``sanitize``, each change, ``"key/path: what -> what"``.
     """
 
     source: str
@@ -57,6 +60,8 @@ class ConvertReport:
     shards: int = 0
     notes: list[str] = field(default_factory=list)
     pickled_module: str = ""
+    cast: list[str] = field(default_factory=list)
+    sanitized: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,39 +12,23 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from ._inspectload import TensorInfo, name_producer, read_dcp, read_deepspeed, read_fast, read_with_torch
 from ._layout import find_model_state
 from ._safety import AllowGlobals, filter_unsafe
-from .errors import CheckpointFormatError, LayoutError, PartialCheckpointError
+from .errors import LayoutError, PartialCheckpointError
 from .formats import modulepickle as mp
 from .formats import source as fp
 from .formats import torchpickle as tp
-from .formats.dcp import stream as dcps
-from .formats.deepspeed import stream as dss
 from .formats.deepspeed.files import refuse_rank_file
 from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, check_exists, detect_format
-from .formats.dtypes import BY_SAFETENSORS
 from .formats.hf.index import shard_note
 from .formats.scan import checkpoint_globals
 from .formats.source import checkpoint_bytes
 from .prefix import detect_prefixes
-
-
-@dataclass
-class TensorInfo:
-    """One weight tensor. ``stored`` is the size of its storage, 0 when an earlier tensor
-    shares it (tied weights are stored once)."""
-
-    name: str
-    shape: list[int]
-    dtype: str
-    device: str
-    nbytes: int
-    stored: int = 0
 
 
 @dataclass
@@ -63,6 +47,7 @@ class CheckpointSummary:
     loaded_with_torch: bool = False
     trusted: bool = False
     pickled_module: str = ""  # a whole pickled module's class: the tensors are its state_dict()
+    producer: dict[str, Any] | None = None  # who wrote it, where its weights and EMA copy are (formats.producers.Producer)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -139,63 +124,6 @@ def _describe(value: Any, is_tensor: Any) -> tuple[str, str]:
     return type(value).__name__, ""
 
 
-_Info = Callable[[str, Any], tuple[TensorInfo, Any, int]]  # (info, storage identity, storage bytes)
-
-
-def _fast(path: Path, fmt: str) -> tuple[Any, Any, _Info, dict[str, Any], str]:
-    src = fp.open_source(path, fmt)
-    src.close()  # the names, shapes and offsets are read; no tensor bytes are needed
-
-    def info(name: str, ref: Any) -> tuple[TensorInfo, Any, int]:
-        if isinstance(ref, fp.StRef):  # an alias is the same object as its target
-            dtype = BY_SAFETENSORS[ref.dtype].name if ref.dtype in BY_SAFETENSORS else ref.dtype
-            return TensorInfo(name, list(ref.shape), dtype, "cpu", ref.length), id(ref), ref.length
-        t = tp.tensor_of(ref)
-        if t is None:
-            raise CheckpointFormatError(f"{path}: entry {name} is not a tensor")
-        storage = (id(src.part(ref)), t.storage.key)  # keys repeat across shards
-        return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), storage, tp.storage_nbytes(t.storage)
-
-    meta: dict[str, Any] = dict(src.metadata or {})
-    return src.obj, fp.is_leaf, info, meta, src.module
-
-
-def _fast_dcp(path: Path) -> tuple[Any, Any, _Info, dict[str, Any], str]:
-    src = dcps.open_dcp(path)
-    src.close()  # shapes, dtypes and where the bytes are: enough to describe it
-
-    def info(name: str, t: dcps.DcpTensor) -> tuple[TensorInfo, Any, int]:
-        return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
-
-    return src.obj, dcps.is_leaf, info, {}, ""
-
-
-def _fast_deepspeed(path: Path) -> tuple[Any, Any, _Info, dict[str, Any], str]:
-    src = dss.open_deepspeed(path)
-    src.close()  # the rebuilt names, shapes and dtypes: read from the pickles alone
-
-    def info(name: str, t: dss.DsTensor) -> tuple[TensorInfo, Any, int]:
-        return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
-
-    meta = {"deepspeed": src.description, "weights": src.weights_from}
-    return src.obj, dss.is_leaf, info, meta, ""
-
-
-def _with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any], str]:
-    import torch
-
-    from ._read import read_checkpoint  # deferred: the torch-free path above needs no torch
-
-    obj = read_checkpoint(path, map_location="cpu", trust=trust, allow_globals=allow_globals)
-
-    def info(name: str, t: Any) -> tuple[TensorInfo, Any, int]:
-        storage = t.untyped_storage()
-        size = t.numel() * t.element_size()
-        return TensorInfo(name, list(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), size), storage.data_ptr(), storage.nbytes()
-
-    return obj, lambda v: isinstance(v, torch.Tensor), info, {}, ""
-
-
 def inspect_checkpoint(
     path: str | os.PathLike[str], *, key: str | None = None, trust: bool = False, allow_globals: AllowGlobals = ()
 ) -> CheckpointSummary:
@@ -224,16 +152,16 @@ def inspect_checkpoint(
         except PartialCheckpointError as e:  # described as it is, with where its weights really are
             summary.notes.append(str(e))
     if fmt == DEEPSPEED:  # read inertly whatever trust says: its pickles hold nothing to run
-        loaded = _fast_deepspeed(p)
+        loaded = read_deepspeed(p)
         summary.notes.append(f"{loaded[3]['deepspeed']}: {loaded[3]['weights']}")
     elif fmt == DCP and not trust:
         try:
-            loaded = _fast_dcp(p)
+            loaded = read_dcp(p)
         except (fp.NeedsTorch, tp.UnsupportedGlobal):
             pass  # torch reads it, applying ckptkit's safety rules to .metadata's globals
     elif fmt in (ZIP, SAFETENSORS, HF) and not trust:
         try:
-            loaded = _fast(p, fmt)
+            loaded = read_fast(p, fmt)
         except mp.UnsafeModulePickle as e:
             summary.needs_trust, summary.pickled_module = filter_unsafe(e.names, allow_globals), e.description
             if summary.needs_trust:
@@ -248,7 +176,7 @@ def inspect_checkpoint(
                 summary.needs_trust = unsafe
                 return summary
     if loaded is None:
-        loaded = _with_torch(p, trust, allow_globals)
+        loaded = read_with_torch(p, trust, allow_globals)
         summary.loaded_with_torch, summary.trusted = True, trust
     obj, is_tensor, info, meta, summary.pickled_module = loaded
     summary.metadata = meta
@@ -263,6 +191,8 @@ def inspect_checkpoint(
         ck = obj.get("ckptkit")
         if isinstance(ck, Mapping):
             summary.metadata.update({f"ckptkit.{k}": str(v) for k, v in ck.items()})
+    if (producer := name_producer(p, fmt, obj, "/".join(where) if where is not None else None, is_tensor, meta=meta)) is not None:
+        summary.producer = asdict(producer)
     if where is None:
         return summary
     summary.weights_at = "/".join(where)

@@ -1,7 +1,8 @@
 """Where the model weights live inside a checkpoint object.
 
 Users meet a bare state dict, or a training checkpoint that nests one under ``state_dict``
-(Lightning), ``model``, ``model_state_dict``, ``module`` (some DDP scripts) and friends. The
+(Lightning), ``model``, ``model_state_dict``, ``module`` (some DDP scripts) and friends; an EMA
+copy beside them (``state_dict_ema``, ``model_ema``) is taken only when asked for by ``key``. The
 lookup never imports torch: the caller says what counts as a tensor, so the same code serves
 real tensors and the placeholders of the torch-free reader.
 """
@@ -13,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import LayoutError, spell, summarize
+from .formats.producers import is_ema_name
 from .prefix import check_prefix, strip_prefix
 
 MODEL_KEYS: tuple[str, ...] = ("state_dict", "model", "model_state_dict", "module", "net", "network", "weights")
@@ -96,6 +98,9 @@ def find_model_state(
             if name in obj and is_state_dict(obj[name], is_tensor):
                 return (name,), obj[name]
         candidates = [str(k) for k, v in obj.items() if is_state_dict(v, is_tensor)]
+        trained = [c for c in candidates if not is_ema_name(c)]
+        if len(candidates) > 1 and len(trained) == 1:  # {"student": ..., "student_ema": ...}: an EMA copy is taken only by --key
+            candidates = trained
         if len(candidates) == 1:
             return (candidates[0],), obj[candidates[0]]
         top = summarize([str(k) for k in obj.keys()]) or "none"

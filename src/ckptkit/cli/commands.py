@@ -39,12 +39,16 @@ ALLOW_GLOBAL = click.option(
 @click.option("--zero-weights", type=click.Choice(["fp32", "module"]), default="fp32", show_default=True,
               help="For a DeepSpeed ZeRO folder: fp32 (the master weights, as zero_to_fp32) or module (the 16-bit "
               "module weights as saved; stage 1/2 only).")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Cast the floating weights to this dtype (values as torch's .to(); ints, bools, optimizer state kept).")  # fmt: skip
+@click.option("--sanitize", is_flag=True, help="With --trust: write what torch.load(weights_only=True) reads (Namespace, "
+              "dataclasses -> dicts; numpy arrays -> tensors; numpy RNG state -> lists); notes list each change.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tuple[str, ...], add: tuple[str, ...],
             model_only: bool, key: str | None, trust: bool, allow_global: tuple[str, ...], force: bool,
             max_shard_size: str | None, out_format: Literal["dcp"] | None, zero_weights: Literal["fp32", "module"],
-            as_json: bool) -> None:  # fmt: skip
+            dtype: Literal["bf16", "fp16", "fp32"] | None, sanitize: bool, as_json: bool) -> None:  # fmt: skip
     """Rewrite SRC's weight names for another wrapping into DST (format by DST suffix).
 
     Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
@@ -58,7 +62,8 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
         report = ckptkit.convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
                                     trust=trust, allow_globals=allow_global, force=force, progress=progress,
-                                    max_shard_size=max_shard_size, format=out_format, zero_weights=zero_weights)  # fmt: skip
+                                    max_shard_size=max_shard_size, format=out_format, zero_weights=zero_weights,
+                                    dtype=dtype, sanitize=sanitize)  # fmt: skip
     if as_json:
         emit_json(report.to_dict())
         return

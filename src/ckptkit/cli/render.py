@@ -81,6 +81,8 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
         return
     if s.pickled_module:
         out.print(f"A pickled {s.pickled_module} module: its state_dict() was read without running the pickle")
+    if s.producer:
+        _render_producer(out, s.producer)
     if s.loaded_with_torch:
         out.print("[dim](loaded with torch, trusted: weights_only=False)[/]" if s.trusted else "[dim](loaded with torch, weights-only)[/]")
     if s.entries:
@@ -104,7 +106,8 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
             out.print(f"Wrapper prefixes: {leading or '-'}{'; nested ' + nested if nested else ''}{hint}")
         else:
             out.print("Wrapper prefixes: none (plain single-device keys)")
-        if prefixes.get("common"):
+        if prefixes.get("common") and (s.producer or {}).get("name") in (None, "lightning", "training-checkpoint"):
+            # a framework's own model keeps its attribute names (transformer., net.): only a wrapper's is worth stripping
             out.print(f"Every key starts with {prefixes['common']!r} (Lightning? convert with --strip {prefixes['common']})")
         groups = s.groups()
         t = Table("key", "n", "layers", "shape", "dtype", "size", box=None, padding=(0, 2))
@@ -115,6 +118,24 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
             out.print(f"... {len(groups) - MAX_GROUPS} more key groups (--all lists them)")
     if s.metadata:
         out.print("Metadata: " + ", ".join(f"{k}={v}" for k, v in s.metadata.items()))
+
+
+def _render_producer(out: Any, p: dict[str, Any]) -> None:
+    """Who wrote it, where its weights and EMA copy are, and a folder's other files."""
+    from rich.table import Table
+
+    out.print(f"[bold]{p['what']}[/]")
+    if p.get("weights") is not None:
+        ema = p.get("ema")
+        also = " (the averaged / EMA weights)" if ema and ema == p["weights"] else f"; EMA copy: {ema} (--key {ema})" if ema else ""
+        out.print(f"  weights: {p['weights'] or 'the top level'}{also}")
+    for note in p.get("notes", []):
+        out.print(f"  note: {note}")
+    if p.get("files"):
+        t = Table("file", "holds", box=None, padding=(0, 2), title="Files", title_justify="left")
+        for f in p["files"]:
+            t.add_row(f["name"], f["holds"])
+        out.print(t)
 
 
 def render_diff(r: Any) -> None:

@@ -21,13 +21,17 @@ Modules, by format:
 - ``safetensors``: the safetensors codec and its one writer;
 - ``dcp/``: torch.distributed.checkpoint: its metadata's globals (the package), ``meta`` (the
   metadata read through stand-ins), ``stream`` (a folder's tensors as entries: chunk byte ranges);
-- ``hf/``: Hugging Face shards: ``index``, ``write``;
+- ``hf/``: Hugging Face shards: ``index``, ``write``, and ``folders`` (a Trainer ``checkpoint-N/``,
+  an Accelerate ``save_state`` folder, a ``save_pretrained`` folder: what each file holds);
+- ``producers``: which framework wrote a checkpoint (timm, mmengine, Lightning, ignite,
+  ``AveragedModel``, DeepSpeed), from its entries' names: where its weights and EMA copy are;
 - ``deepspeed/``: DeepSpeed ZeRO folders: ``files`` (layout, tag, rank files, pickles read
   through inert stand-ins, refusal of a ZeRO-3 rank file alone), ``rebuild`` (``zero_to_fp32``'s
   rules as byte ranges of the partition records; buffer upcast), ``stream`` (the rebuilt fp32
   state dict as entries, each record's CRC-32 checked from its copied pieces);
 - across formats: ``source`` (a file, or a folder of shards, opened as a tree of entries),
-  ``integrity`` (is it intact; a writer's check before it publishes).
+  ``integrity`` (is it intact; a writer's check before it publishes), ``cast`` (entries whose
+  floating bytes are cast to another dtype as they are copied: ``convert --dtype``).
 
 Files themselves (atomic writes, the checked copy, CRC-32) are ``ckptkit.io``, below this.
 """

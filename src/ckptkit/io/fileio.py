@@ -88,6 +88,9 @@ def copy_range(
     (``copy_file_range``), a second thread CRCs the same bytes from a read-only mapping of the
     source, so checking costs little more than the copy and nothing is copied into Python.
 
+    A ``dst`` without a file descriptor (``fileno`` raises: ``convert --dtype``'s sink, which casts
+    each piece as it comes) is written through Python, in steps of at most 32 MiB.
+
     ``aside``: work a third thread may do while the kernel copies each step of a checked range
     of 2 MiB or more, called with the ``time.perf_counter()`` it should return by (half the time
     the step should take, by the last step's speed). It holds the GIL while it runs, so it works
@@ -102,10 +105,14 @@ def copy_range(
         '0xcbf43926'
     """
     dst.flush()
-    out, inp = dst.fileno(), src.fileno()
-    written_at = os.lseek(out, 0, os.SEEK_CUR)
+    try:
+        out = dst.fileno()
+    except (AttributeError, OSError):  # a sink that is no file (a cast converts each piece): read and written in Python
+        out = -1
+    inp = src.fileno()
+    written_at = os.lseek(out, 0, os.SEEK_CUR) if out >= 0 else 0
     value = done = started = 0
-    use_kernel = hasattr(os, "copy_file_range")
+    use_kernel = out >= 0 and hasattr(os, "copy_file_range")
     mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
     while done < length:
         step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
@@ -125,7 +132,7 @@ def copy_range(
         if n <= 0:
             raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + done}")
         done += n
-        if done - started >= _CHUNK or done == length:
+        if out >= 0 and (done - started >= _CHUNK or done == length):
             start_writeback(out, written_at + started, done - started)
             started = done
         if progress is not None:

@@ -1,0 +1,191 @@
+"""Checkpoints written by the training frameworks themselves (``fixtures/frameworks/``, made by
+``fixtures/make_framework_fixtures.py``): inspect names the producer and where the weights and
+any EMA copy are, convert writes exactly those weights, load_for_rank loads them.
+
+Each is compared exactly with what the framework itself loads: ``torch.load(weights_only=False)``
+of the file here (the fixtures are ours), and, where the framework is installed, its own loader
+(``from_pretrained``, ``Accelerator.load_state``, ``timm``'s ``load_checkpoint``, ignite's
+``Checkpoint.load_objects``); those tests skip, saying why, where it is not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptkit
+from fixtures.make_framework_fixtures import (
+    TIMM_ARCH,
+    TIMM_KWARGS,
+    Registered,
+    TiedNet,
+    tiny_gpt2,
+    torchvision_importable,
+)
+from tests.test_cli import run
+
+FW = Path(__file__).resolve().parent.parent / "fixtures" / "frameworks"
+NAMESPACE = ["argparse.Namespace"]  # timm train.py's args
+# (fixture, producer, weights, EMA copy, what to read it with)
+CASES = [
+    ("trainer/checkpoint-2", "hf-trainer", "model.safetensors", None, {}),
+    ("trainer_sharded/checkpoint-2", "hf-trainer", "model.safetensors.index.json", None, {}),
+    ("accelerate", "accelerate", "model.safetensors", None, {}),
+    ("accelerate_bin", "accelerate", "pytorch_model.bin", None, {}),
+    ("timm/last.pth.tar", "timm", "state_dict", "state_dict_ema", {"allow_globals": NAMESPACE}),
+    ("ignite/checkpoint_2.pt", "ignite", "model", None, {}),
+    ("mmengine/epoch_1.pth", "mmengine", "state_dict", "state_dict", {"trust": True}),
+    ("lightning/weight_averaging.ckpt", "lightning", "state_dict", "state_dict", {}),
+    ("torch/averaged_model.pt", "averaged-model", "model", "ema_model", {}),
+]
+FOLDERS = {"trainer/checkpoint-2", "trainer_sharded/checkpoint-2", "accelerate", "accelerate_bin"}
+
+
+def _framework(name: str) -> Any:
+    """The framework module, or a skip saying why it cannot be had here."""
+    torchvision_importable()  # transformers, timm and Lightning import torchvision when it is installed
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip, said as it is
+        pytest.skip(f"{name} cannot be imported here ({type(e).__name__}: {e}); see fixtures/make_framework_fixtures.py")
+
+
+def _needs(name: str) -> None:
+    """mmengine's message_hub pickles its HistoryBuffer class: even trusted, torch.load imports mmengine."""
+    if name.startswith("mmengine"):
+        _framework("mmengine.logging")
+
+
+def _expected(name: str, where: str | None) -> dict[str, torch.Tensor]:
+    """The weights as the framework's own file reader gives them: safetensors / torch.load of the file."""
+    path = FW / name
+    if name in FOLDERS:
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            out: dict[str, torch.Tensor] = {}
+            for shard in dict.fromkeys(json.loads(index.read_text())["weight_map"].values()):
+                out.update(load_file(path / shard))
+            return out
+        if (path / "model.safetensors").is_file():
+            return load_file(path / "model.safetensors")
+        return torch.load(path / "pytorch_model.bin", weights_only=True)
+    obj = torch.load(path, weights_only=False)  # our own fixtures: trusted
+    return dict(obj[where]) if where else dict(obj)
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert list(got) == list(want) or set(got) == set(want), (sorted(got), sorted(want))
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize(("name", "producer", "weights", "ema", "opts"), CASES, ids=[c[0] for c in CASES])
+def test_inspect_names_the_producer(name: str, producer: str, weights: str, ema: str | None, opts: dict[str, Any]) -> None:
+    _needs(name)
+    s = ckptkit.inspect_checkpoint(FW / name, **opts)
+    assert s.producer is not None, s
+    assert (s.producer["name"], s.producer["weights"], s.producer["ema"]) == (producer, weights, ema)
+    assert s.tensors and s.to_dict()["producer"] == s.producer
+
+
+def test_inspect_describes_the_folders() -> None:
+    trainer = ckptkit.inspect_checkpoint(FW / "trainer/checkpoint-2").producer
+    assert trainer is not None and trainer["what"].startswith("Hugging Face Trainer checkpoint, step 2")
+    holds = {f["name"]: f["holds"] for f in trainer["files"]}
+    assert holds["optimizer.pt"].startswith("optimizer state") and holds["rng_state.pth"].startswith("RNG states")
+    assert "TrainingArguments" in holds["training_args.bin"] and "TrainerState" in holds["trainer_state.json"]
+    acc = ckptkit.inspect_checkpoint(FW / "accelerate").producer
+    assert acc is not None and acc["what"] == "Accelerate save_state folder"
+    assert any("model_1.safetensors" in n for n in acc["notes"])
+    code, out, err = run("inspect", FW / "trainer/checkpoint-2")
+    assert code == 0, err
+    assert "Hugging Face Trainer checkpoint, step 2" in out and "rng_state.pth" in out and "Lightning?" not in out
+    code, out, err = run("inspect", FW / "timm/last.pth.tar", "--allow-global", "argparse.Namespace")
+    assert code == 0, err
+    assert "timm CheckpointSaver checkpoint" in out and "EMA copy: state_dict_ema (--key state_dict_ema)" in out
+
+
+@pytest.mark.parametrize(("name", "producer", "weights", "ema", "opts"), CASES, ids=[c[0] for c in CASES])
+def test_convert_takes_the_weights(tmp_path: Path, name: str, producer: str, weights: str, ema: str | None, opts: dict[str, Any]) -> None:
+    _needs(name)
+    out = tmp_path / "model.safetensors"
+    report = ckptkit.convert_checkpoint(FW / name, out, model_only=True, **opts)
+    want = _expected(name, None if name in FOLDERS else weights)
+    got = ckptkit.read_checkpoint(out)  # tied weights stored once are re-tied, as load_model does
+    if producer == "hf-trainer":  # tied lm_head.weight is stored once, as the source stores it
+        assert "lm_head.weight" not in got
+    _same(got, want)
+    assert report.weights_at == ("" if name in FOLDERS else weights)
+    assert ckptkit.diff_checkpoints(FW / name, out, **opts).equal if not opts.get("allow_globals") else True
+
+
+def test_convert_takes_an_ema_copy_by_key(tmp_path: Path) -> None:
+    code, _, err = run("convert", FW / "timm/last.pth.tar", tmp_path / "ema.safetensors", "--key", "state_dict_ema", "--model-only",
+                       "--allow-global", "argparse.Namespace")  # fmt: skip
+    assert code == 0, err
+    _same(load_file(tmp_path / "ema.safetensors"), _expected("timm/last.pth.tar", "state_dict_ema"))
+    ckptkit.convert_checkpoint(FW / "torch/averaged_model.pt", tmp_path / "avg.safetensors", key="ema_model", model_only=True)
+    want = {k.removeprefix("module."): v for k, v in _expected("torch/averaged_model.pt", "ema_model").items() if k != "n_averaged"}
+    _same(ckptkit.read_checkpoint(tmp_path / "avg.safetensors"), want)
+
+
+@pytest.mark.parametrize("name", sorted(FOLDERS))
+def test_verify_and_load_the_folders(name: str) -> None:
+    report = ckptkit.verify_checkpoint(FW / name)
+    assert report.ok, [c for c in report.checks if not c.ok]
+    if name.startswith("accelerate"):
+        model = TiedNet()
+        ckptkit.load_for_rank(FW / name, model=model)
+        assert model.head.weight is model.embed.weight  # the tie held: loaded through the embedding
+        _same(model.state_dict(), {**_expected(name, None), "head.weight": _expected(name, None)["embed.weight"]})
+
+
+def test_trainer_folder_loads_like_from_pretrained() -> None:
+    transformers = _framework("transformers")
+    for name in ("trainer/checkpoint-2", "trainer_sharded/checkpoint-2"):
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(FW / name)
+        ours = tiny_gpt2()
+        ckptkit.load_for_rank(FW / name, model=ours)  # lm_head.weight is not stored: filled from its tie
+        assert ours.lm_head.weight is ours.transformer.wte.weight
+        _same(ours.state_dict(), theirs.state_dict())
+
+
+def test_accelerate_folder_loads_like_load_state() -> None:
+    accelerate = _framework("accelerate")
+    for name in ("accelerate", "accelerate_bin"):
+        acc = accelerate.Accelerator(cpu=True)
+        model, second = acc.prepare(TiedNet(), torch.nn.Linear(8, 2))
+        acc.register_for_checkpointing(Registered())  # load_state wants as many as were saved
+        acc.load_state(str(FW / name))
+        ours = TiedNet()
+        ckptkit.load_for_rank(FW / name, model=ours)
+        _same(ours.state_dict(), model.state_dict())
+        other = torch.nn.Linear(8, 2)
+        ckptkit.load_for_rank(FW / name / ("model_1.safetensors" if name == "accelerate" else "pytorch_model_1.bin"), model=other)
+        _same(other.state_dict(), second.state_dict())
+
+
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_timm_loads_like_timm(use_ema: bool) -> None:
+    timm = _framework("timm")
+    theirs = timm.create_model(TIMM_ARCH, **TIMM_KWARGS)
+    timm.models.load_checkpoint(theirs, str(FW / "timm/last.pth.tar"), use_ema=use_ema, weights_only=False)
+    ours = timm.create_model(TIMM_ARCH, **TIMM_KWARGS)
+    key = "state_dict_ema" if use_ema else None
+    ckptkit.load_for_rank(FW / "timm/last.pth.tar", model=ours, key=key, allow_globals=NAMESPACE)
+    _same(ours.state_dict(), theirs.state_dict())
+
+
+def test_ignite_loads_like_ignite() -> None:
+    handlers = _framework("ignite.handlers")
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    theirs = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    handlers.Checkpoint.load_objects({"model": theirs}, torch.load(FW / "ignite/checkpoint_2.pt", weights_only=False))
+    ckptkit.load_for_rank(FW / "ignite/checkpoint_2.pt", model=net)
+    _same(net.state_dict(), theirs.state_dict())
