@@ -18,7 +18,7 @@ from typing import Any
 
 from ._inspectload import TensorInfo, name_producer, read_dcp, read_deepspeed, read_fast, read_with_torch
 from ._layout import find_model_state
-from ._safety import AllowGlobals, filter_unsafe
+from ._safety import AllowGlobals, filter_unsafe, needed_globals, unsafe_error
 from .errors import LayoutError, PartialCheckpointError
 from .formats import modulepickle as mp
 from .formats import source as fp
@@ -26,7 +26,6 @@ from .formats import torchpickle as tp
 from .formats.deepspeed.files import refuse_rank_file
 from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.hf.index import shard_note
-from .formats.scan import checkpoint_globals
 from .formats.source import checkpoint_bytes
 from .prefix import detect_prefixes
 
@@ -170,10 +169,12 @@ def inspect_checkpoint(
             pass  # a pickled module whose state_dict() needs its code: torch's loader says what it needs
         except tp.UnsupportedGlobal:
             # A shard's globals: torch's weights-only load below says which it needs.
-            unsafe = filter_unsafe(checkpoint_globals(p), allow_globals) if fmt != HF else []
-            if unsafe:
+            needs = needed_globals(p, allow_globals) if fmt != HF else None
+            if needs is not None and not needs.loads:  # allowing globals is not enough: say so, and why
+                raise unsafe_error(str(p), needs.names, loads=False, why=needs.why) from None
+            if needs is not None and needs.names:
                 # Describe what we can without running anything: the globals it needs.
-                summary.needs_trust = unsafe
+                summary.needs_trust = list(needs.names)
                 return summary
     if loaded is None:
         loaded = read_with_torch(p, trust, allow_globals)

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 from ._devices import NO_CUDA_FIX, MapLocation, check_device, device_for_rank, restore_to
 from ._pickled import load_pickled_module, unmodelled_error
-from ._safety import MODULE_WALK, AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
+from ._safety import MODULE_WALK, AllowGlobals, global_name, needed_globals, resolve_globals, torch_reason, unsafe_error
 from .errors import (
     ArgumentError,
     CheckpointFormatError,
@@ -33,8 +33,7 @@ from .errors import (
 from .formats import modulepickle as mp
 from .formats.bounds import check_storage_bounds, storage_problem
 from .formats.detect import LEGACY, Format
-from .formats.integrity import zip_checks
-from .formats.scan import checkpoint_globals
+from .formats.integrity import record_crc, zip_checks
 from .formats.torchpickle import StorageRef
 from .formats.torchzip import TorchZip
 
@@ -119,22 +118,24 @@ def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) 
 
 
 def _reason(e: BaseException) -> str:
+    # torch puts its reason after "WeightsUnpickler error:", on the same line or the next ones: an
+    # empty remainder of that line once made "torch cannot load this checkpoint...:" end in nothing.
+    if "WeightsUnpickler error:" in str(e):
+        return torch_reason(e)
     text = str(e).strip()
-    for line in text.splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _explain(e: Exception, source: str, target: str, fmt: Format, f: BinaryIO, *, trust: bool, allowed: list[Any]) -> CkptkitError:
     text = str(e)
+    needs = None
     if isinstance(e, pickle.UnpicklingError) and not trust:
-        try:
-            unsafe = filter_unsafe(checkpoint_globals(target), allowed)
-        except CkptkitError:
-            unsafe = []
-        if unsafe:
-            return unsafe_error(source, unsafe)
+        # What to allow, found by loading with torch's weights-only unpickler (the static scan
+        # first): the advice then works when followed, numpy.dtypes classes and all.
+        with contextlib.suppress(CkptkitError):
+            needs = needed_globals(target, allowed)
+        if needs is not None and needs.names:
+            return unsafe_error(source, needs.names, loads=needs.loads, why=needs.why)
     if isinstance(e, ImportError) or (isinstance(e, AttributeError) and "Can't get attribute" in text):
         missing = getattr(e, "name", None) or text
         return ClassNotFoundError(
@@ -160,8 +161,20 @@ def _explain(e: Exception, source: str, target: str, fmt: Format, f: BinaryIO, *
         damage = [f"{c.name}: {c.detail}" for c in zip_checks(z, full=True)[0] if not c.ok and c.kind == "integrity"]
     except CheckpointFormatError as err:
         damage = [str(err)]
+        if needs is not None and not needs.loads and _crcs_match(source, f):
+            damage = []  # ckptkit's inert walk cannot follow it (a filled defaultdict); torch said why it stops
     if damage:
         return CheckpointFormatError(f"{source}: damaged torch zip checkpoint: {summarize(damage, 2)} (torch: {_reason(e)})")
+    if needs is not None and not needs.loads:  # intact, every global admitted, and still beyond weights-only
+        return unsafe_error(source, (), why=needs.why)
     return CheckpointFormatError(
         f"{source}: torch cannot load this checkpoint, though its zip structure and CRC-32s check out: {_reason(e)}"
     )
+
+
+def _crcs_match(source: str, f: BinaryIO) -> bool:
+    try:
+        z = TorchZip(source, file=f)
+        return all(record_crc(z, r, None) == r.crc for r in z.records)
+    except CheckpointFormatError:
+        return False

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._safety import AllowGlobals, filter_unsafe, global_name, needs_text, resolve_globals, unsafe_error
+from ._safety import AllowGlobals, filter_unsafe, global_name, needed_globals, needs_text, resolve_globals, unsafe_error
 from .errors import (
     PARSE_ERRORS,
     CheckpointFormatError,
@@ -31,7 +31,7 @@ from .formats.deepspeed import zero_checks
 from .formats.detect import DCP, DEEPSPEED, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.hf.index import read_index, shard_note
 from .formats.integrity import Check, safetensors_checks, zip_checks
-from .formats.scan import checkpoint_globals, pickle_globals
+from .formats.scan import pickle_globals
 from .formats.source import NeedsTorch, checkpoint_bytes, open_source
 from .formats.torchpickle import UnsupportedGlobal
 from .formats.torchzip import TorchZip
@@ -134,9 +134,12 @@ def verify_checkpoint(
 
 
 def _globals_safe(p: Path) -> Check:
-    unsafe = filter_unsafe(checkpoint_globals(p))
+    needs = needed_globals(p)  # the static scan, confirmed by torch's weights-only unpickler
+    unsafe = list(needs.names)
     detail = f"pickle {needs_text(unsafe)}" if unsafe else "only weights-only globals"
-    return Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))
+    if not needs.loads:  # allowing globals is not enough: only trust is advised
+        detail = f"{unsafe_error(p.name, unsafe, loads=False, why=needs.why)}".removeprefix(f"{p.name}: refused to load: ")
+    return Check("safe to load", "safety", needs.loads and not unsafe, detail, tuple(unsafe))
 
 
 def _torch_loads(p: Path, fmt: Any) -> Check:

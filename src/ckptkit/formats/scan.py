@@ -6,8 +6,10 @@ opcodes. Names come out as Python 3 resolves them: a protocol-2 pickle (what ``t
 writes) spells ``builtins.set`` as ``__builtin__.set``, and the unpickler maps it back, so this
 does too; otherwise a safe name would be reported as needing trust.
 
-A ``numpy.dtype(code)`` call is listed with the ``numpy.dtypes`` class it builds, which torch's
-weights-only unpickler must allow too though the pickle never names it.
+A ``numpy.dtype(code)`` call is listed with the ``numpy.dtypes`` class it builds, and numpy's
+``RandomState`` constructor with the class it builds, which torch's weights-only unpickler must
+allow too though the pickle never names them. This is a first guess: ``ckptkit._safety.needed_globals``
+confirms it by loading with torch's own weights-only unpickler.
 
 Example:
     >>> import pickle
@@ -33,6 +35,8 @@ _STRING_OPS = frozenset(
     {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
 )
 _MARK = object()
+# Builders whose result torch's unpickler must also admit (it BUILDs state into it), unnamed in the pickle.
+_BUILDS = {"numpy.random._pickle.__randomstate_ctor": "numpy.random.mtrand.RandomState"}
 
 
 def _python3_name(module: str, name: str, protocol: int) -> str:
@@ -75,7 +79,7 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
             elif name in ("GLOBAL", "INST"):
                 module, _, qual = str(arg).partition(" ")
                 value = _python3_name(module, qual, protocol)
-                found.append(value)
+                found += [value, _BUILDS[value]] if value in _BUILDS else [value]
             elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
                 value = tuple(popped)
             elif name == "REDUCE" and popped and popped[0] == "numpy.dtype":
@@ -87,7 +91,7 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
                 module, qual = (popped + [None, None])[:2]
                 ok = isinstance(module, str) and isinstance(qual, str)
                 value = _python3_name(module, qual, protocol) if ok else "<dynamic>"
-                found.append(value)
+                found += [value, _BUILDS[value]] if value in _BUILDS else [value]
             stack.extend([value] * len(op.stack_after))
     except PARSE_ERRORS as e:
         raise CheckpointFormatError(f"malformed pickle: {type(e).__name__}: {e}") from e

@@ -64,6 +64,10 @@ class Call:
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # A mapping built by a call (a filled collections.defaultdict): its items, recorded.
+        self.__dict__.setdefault("items", {})[key] = value
+
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return (self.func, tuple(self.args)) if self.state is None else (self.func, tuple(self.args), self.state)
 
