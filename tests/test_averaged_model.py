@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.optim.swa_utils import AveragedModel
 
 import ckptkit
@@ -95,3 +96,15 @@ def test_load_into_a_wrapped_averaged_model_keeps_the_count(tmp_path: Path) -> N
     wrapped = torch.nn.DataParallel(AveragedModel(TinyNet()))  # its count is module.n_averaged
     ckptkit.load_for_rank(tmp_path / "swa.pt", model=wrapped)
     assert int(wrapped.module.n_averaged) == 3
+
+
+def test_mmengine_ema_steps_go_with_its_wrapper(tmp_path: Path) -> None:
+    """mmengine's EMA (BaseAveragedModel) keeps ``steps`` beside ``module.*``, as AveragedModel
+    keeps ``n_averaged``: --key ema_state_dict gives the plain weights without it, and says so."""
+    ema = {"module.fc.weight": torch.arange(6.0).reshape(2, 3), "module.fc.bias": torch.ones(2), "steps": torch.tensor(7)}
+    torch.save({"meta": {"epoch": 1}, "state_dict": {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)},
+                "ema_state_dict": ema}, tmp_path / "epoch_1.pth")  # fmt: skip
+    report = ckptkit.convert_checkpoint(tmp_path / "epoch_1.pth", tmp_path / "ema.safetensors", key="ema_state_dict", model_only=True)
+    got = load_file(tmp_path / "ema.safetensors")
+    assert sorted(got) == ["fc.bias", "fc.weight"] and torch.equal(got["fc.weight"], ema["module.fc.weight"])
+    assert any(n.startswith("steps (mmengine's EMA step count) not written") for n in report.notes), report.notes

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from ._convreport import ConvertReport, other_wrapped_weights, renamed_prefixes, tied_names
 from ._layout import find_model_state, replace_at
-from ._unwrap import AVERAGED_COUNT, without_averaged_count
+from ._unwrap import without_averaged_count
 from .errors import ArgumentError, spell, summarize
 from .formats import source as fp
 from .formats.cast import Cast
@@ -26,6 +26,7 @@ from .formats.entry import Entry, map_entries
 from .formats.hf.index import shard_note
 from .formats.hf.write import write_shards
 from .formats.integrity import check_written
+from .formats.producers import AVERAGED_COUNTS, averaged_count
 from .formats.safetensors import write_safetensors
 from .formats.zipwrite import write_torch_zip
 from .io.atomic import atomic_write
@@ -49,8 +50,8 @@ class Job:
     def run(self, obj: Any, is_tensor: Any, write: Callable[[Any, Any, Any], Any]) -> ConvertReport:
         path, state = find_model_state(obj, key=self.key, is_tensor=is_tensor, source=str(self.source))
         # An AveragedModel's count goes with its wrapper: a plain model has no such buffer.
-        plain = without_averaged_count(state) if self.to != "keep" else state
-        counted, state = plain is not state, plain
+        count = averaged_count(state) if self.to != "keep" else None
+        state = without_averaged_count(state) if count else state
         new_state = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
         if self.cast is not None:  # after renaming: the report names tensors as they are written
             new_state = self.cast(new_state)
@@ -85,10 +86,9 @@ class Job:
         hf: Any = written if self.out_fmt == HF else None  # formats.hf.write.Written
         before, after = renamed_prefixes(list(state), list(new_state))
         notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
-        if counted:
+        if count:
             keep = spell("to='keep'", "--to keep")
-            notes.append(f"{AVERAGED_COUNT} (AveragedModel's count of averaged models) not written: a plain model "
-                         f"has no such buffer; {keep} keeps it")  # fmt: skip
+            notes.append(f"{count} ({AVERAGED_COUNTS[count]}) not written: a plain model has no such buffer; {keep} keeps it")
         return ConvertReport(
             source=str(self.source),
             destination=str(self.dest),

@@ -7,8 +7,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._layout import select_prefix
-from ._unwrap import AVERAGED_COUNT, unwrap_model, without_averaged_count
+from ._unwrap import unwrap_model, without_averaged_count
 from .errors import StateDictMismatchError, summarize
+from .formats.producers import AVERAGED_COUNTS
 from .prefix import WRAPPER_PREFIXES, adapt_state_dict, canonical_key, detect_prefixes, wrapper_names
 
 
@@ -192,7 +193,7 @@ def fit_to_model(
     """
     target = model.state_dict()
     names = wrapper_names(wrappers)
-    if all(canonical_key(k, names) != AVERAGED_COUNT for k in target):  # into a model that is no AveragedModel
+    if all(canonical_key(k, names) not in AVERAGED_COUNTS for k in target):  # into a model that is no averaging wrapper
         state_dict = without_averaged_count(state_dict)
     adapted = adapt_state_dict(state_dict, model, wrappers=wrappers)
     found = _check_filling_ties(adapted, target)

@@ -7,6 +7,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+from .formats.producers import averaged_count
+
 
 def unwrap_model(model: Any) -> Any:
     """Return the module inside DDP / DataParallel / torch.compile wrappers, in any nesting.
@@ -32,24 +34,19 @@ def unwrap_model(model: Any) -> Any:
             return model
 
 
-# torch.optim.swa_utils.AveragedModel: its weights under module. and, beside them, this buffer,
-# the count of models averaged, which no plain model has.
-AVERAGED_COUNT = "n_averaged"
-
-
 def without_averaged_count(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-    """An ``AveragedModel``'s state dict without ``n_averaged``, so that its ``module.`` (and a
-    DDP model's ``module.module.``) reads as a wrapper prefix; any other state dict as it is.
+    """An averaging wrapper's state dict without its count (``AveragedModel``'s ``n_averaged``,
+    mmengine's EMA ``steps``), so that its ``module.`` (and a DDP model's ``module.module.``) reads
+    as a wrapper prefix; any other state dict as it is.
 
     Example:
         >>> list(without_averaged_count({"module.fc.weight": 0, "n_averaged": 1}))
         ['module.fc.weight']
     """
-    if AVERAGED_COUNT not in state_dict or len(state_dict) < 2:
+    count = averaged_count(state_dict)
+    if count is None:
         return state_dict
-    if not all(k.startswith("module.") for k in state_dict if k != AVERAGED_COUNT):
-        return state_dict
-    kept: OrderedDict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k != AVERAGED_COUNT)
+    kept: OrderedDict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k != count)
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:  # per-module versions: renamed with the keys by the prefix functions
         kept._metadata = meta  # type: ignore[attr-defined]

@@ -26,6 +26,8 @@ from typing import Any
 
 IsTensor = Callable[[Any], bool]
 AVERAGED_COUNT = "n_averaged"  # torch.optim.swa_utils.AveragedModel's buffer beside its module.* weights
+# The counts averaging wrappers keep beside their module.* weights, which no plain model has.
+AVERAGED_COUNTS = {AVERAGED_COUNT: "AveragedModel's count of averaged models", "steps": "mmengine's EMA step count"}
 _EMA_NAME = re.compile(r"(^|[_.\-])(ema|swa|averaged?)([_.\-]|$)|_ema\d*$|^ema", re.IGNORECASE)
 _ENGINE_KEYS = frozenset({"epoch_length", "max_epochs"})  # ignite.engine.Engine.state_dict()
 
@@ -62,6 +64,22 @@ def is_averaged(state: Any, is_tensor: IsTensor) -> bool:
     if not is_state_dict(state, is_tensor) or AVERAGED_COUNT not in state or len(state) < 2:
         return False
     return all(k.startswith("module.") for k in state if k != AVERAGED_COUNT)
+
+
+def averaged_count(state: Mapping[str, Any]) -> str | None:
+    """The count key of an averaging wrapper's state dict (``n_averaged``, or mmengine's ``steps``)
+    beside weights all under ``module.``; None for any other state dict.
+
+    Example:
+        >>> averaged_count({"module.w": 1, "steps": 2}), averaged_count({"w": 1, "steps": 2})
+        ('steps', None)
+    """
+    if len(state) < 2:
+        return None
+    for key in AVERAGED_COUNTS:
+        if key in state and all(isinstance(k, str) and k.startswith("module.") for k in state if k != key):
+            return key
+    return None
 
 
 def is_ema_name(name: str) -> bool:
