@@ -17,6 +17,28 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: a process-group test is a slow one
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every ``dist`` test is also ``slow``; docstring examples that are all ``+SKIP`` (they need
+    files the docs only name) are not collected, rather than listed as skipped in every summary."""
+    import doctest
+
+    from _pytest.doctest import DoctestItem
+
+    kept, dropped = [], []
+    for item in items:
+        if item.get_closest_marker("dist") is not None:
+            item.add_marker(pytest.mark.slow)
+        examples = item.dtest.examples if isinstance(item, DoctestItem) and item.dtest is not None else None
+        if examples is not None and all(ex.options.get(doctest.SKIP) for ex in examples):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 # -- the reliability suite: a size option and a tally of what was tried -------------------------
 
 import json  # noqa: E402

@@ -19,7 +19,7 @@ import ckptkit.errors
 import ckptkit.prefix
 from ckptkit.cli import main
 from fixtures.models import TinyNet
-from tests.test_seams import _dcp_folder
+from tests.test_convert_edges import _dcp_folder
 
 REPO = Path(ckptkit.__file__).resolve().parents[1]
 
@@ -106,19 +106,21 @@ def test_messages_name_keywords_in_python_and_flags_on_the_command_line(fixtures
         ckptkit.convert_checkpoint(fixtures_dir / "train_ckpt.pt", tmp_path / "o.safetensors")
 
 
-# -- model_only, its former name, and --weights-only -------------------------------------------
+# -- model_only: the one spelling (torch's weights_only means something else) ----------------
 
 
-def test_model_only_and_its_former_names(fixtures_dir: Path, tmp_path: Path) -> None:
+def test_model_only_is_the_one_spelling(fixtures_dir: Path, tmp_path: Path) -> None:
     src = fixtures_dir / "train_ckpt.pt"
     new = ckptkit.convert_checkpoint(src, tmp_path / "a.safetensors", model_only=True)
-    with pytest.warns(DeprecationWarning, match="model_only"):
-        old = ckptkit.convert_checkpoint(src, tmp_path / "b.safetensors", weights_only=True)
-    assert new.dropped == old.dropped == ["optimizer", "scheduler", "epoch", "step", "best_loss"]
-    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
-    code, _, err = run("convert", src, tmp_path / "c.safetensors", "--weights-only")
+    assert new.dropped == ["optimizer", "scheduler", "epoch", "step", "best_loss"]
+    with pytest.raises(TypeError, match="weights_only"):
+        ckptkit.convert_checkpoint(src, tmp_path / "b.safetensors", weights_only=True)  # type: ignore[call-arg]
+    code, _, err = run("convert", src, tmp_path / "c.safetensors", "--model-only")
     assert code == 0, err
     assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "a.safetensors").read_bytes()
+    code, _, err = run("convert", src, tmp_path / "d.safetensors", "--weights-only")
+    assert code == 2 and "No such option '--weights-only'" in err and "--model-only" in err
+    assert not (tmp_path / "b.safetensors").exists() and not (tmp_path / "d.safetensors").exists()
 
 
 def test_to_is_checked(fixtures_dir: Path, tmp_path: Path) -> None:
@@ -257,9 +259,11 @@ def test_the_top_level_is_small_and_resolves() -> None:
         assert issubclass(cls, ckptkit.CkptkitError)
         assert cls is ckptkit.CkptkitError or any(b.__module__ == "builtins" and b is not Exception for b in cls.__mro__[1:-2])
     assert ckptkit.prefix.strip_prefix is ckptkit.strip_prefix
-    # names of earlier releases still resolve, from their one home
-    assert ckptkit.UnsafeCheckpointError is ckptkit.errors.UnsafeCheckpointError
-    assert ckptkit.detect_prefixes is ckptkit.prefix.detect_prefixes
+    # no release came before this one: every other name lives in its one home only
+    for name in ("UnsafeCheckpointError", "detect_prefixes", "find_model_state", "ConvertReport"):
+        assert not hasattr(ckptkit, name), name
+    assert ckptkit.errors.UnsafeCheckpointError.__module__ == "ckptkit.errors"
+    assert "detect_prefixes" in ckptkit.prefix.__all__
 
 
 def test_a_missing_key_gets_no_prefix_hint(tmp_path: Path) -> None:

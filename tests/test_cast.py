@@ -27,6 +27,7 @@ import ckptkit
 from ckptkit.cli import main
 from ckptkit.formats.cast import cast_bytes
 from tests.test_crc import flip
+from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import run_torch_free
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -107,7 +108,7 @@ def write_source(state: dict[str, torch.Tensor], folder: Path, fmt: str) -> Path
         return folder / "hf"
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=str(folder / "dcp"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(folder / "dcp"), **SAVE_ALONE)
     return folder / "dcp"
 
 
@@ -234,7 +235,7 @@ def test_a_damaged_source_byte_still_fails_with_no_output(tmp_path: Path, suffix
     torch.save(state, src) if suffix == ".pt" else ckptkit.write_checkpoint(state, src)
     flip(src, "a.weight")
     for out in ("out.pt", "out.safetensors"):
-        with pytest.raises(ckptkit.CheckpointFormatError, match=r"damaged: tensor a\.weight\b"):
+        with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"damaged: tensor a\.weight\b"):
             ckptkit.convert_checkpoint(src, tmp_path / out, dtype="bf16")
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
 
@@ -252,7 +253,7 @@ def test_the_torch_path_casts_with_torch(tmp_path: Path) -> None:
 
 
 def test_a_bad_dtype_is_refused_before_anything_is_read(tmp_path: Path) -> None:
-    with pytest.raises(ckptkit.ArgumentError, match="must be one of bf16, fp16, fp32, not 'int8'"):
+    with pytest.raises(ckptkit.errors.ArgumentError, match="must be one of bf16, fp16, fp32, not 'int8'"):
         ckptkit.convert_checkpoint(tmp_path / "missing.pt", tmp_path / "out.pt", dtype="int8")  # type: ignore[arg-type]
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--dtype", "int8"])
     assert result.exit_code == 2 and "Traceback" not in result.output

@@ -14,9 +14,11 @@ import torch.nn as nn
 from click.testing import CliRunner
 
 import ckptkit
+from ckptkit._layout import find_model_state
 from ckptkit.cli import main
 from ckptkit.io.atomic import TMP_SUFFIX
 from fixtures.models import TiedLM, TinyNet
+from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import run_torch_free
 
 ALL_FIXTURES = ["plain.pt", "ddp.pt", "dp.pth", "compiled.pt", "compiled_of_ddp.pt", "ddp_of_compiled.pt",
@@ -34,7 +36,7 @@ def reference(fixtures_dir: Path) -> dict[str, torch.Tensor]:
 
 def weights(path: Path, key: str | None = None) -> dict[str, torch.Tensor]:
     obj = ckptkit.read_checkpoint(path)
-    return ckptkit.find_model_state(obj, key=key)[1]
+    return find_model_state(obj, key=key)[1]
 
 
 def no_temps(folder: Path) -> bool:
@@ -101,7 +103,7 @@ def test_dcp_folder_input(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     model = TinyNet()
-    dcp.save({"model": nn.DataParallel(model).state_dict(), "epoch": 4}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.save({"model": nn.DataParallel(model).state_dict(), "epoch": 4}, checkpoint_id=str(tmp_path / "dcp"), **SAVE_ALONE)
     code, _, err = run("convert", tmp_path / "dcp", tmp_path / "out.pt")
     assert code == 0 and "loaded with torch" not in err  # copied chunk by chunk, torch-free (tests/test_dcp_stream.py)
     restored = TinyNet()
@@ -255,7 +257,7 @@ def test_verify_passes_every_fixture(fixtures_dir: Path, name: str) -> None:
 def test_verify_dcp_missing_shard(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "d"), **SAVE_ALONE)
     assert run("verify", tmp_path / "d")[0] == 0
     for shard in (tmp_path / "d").glob("*.distcp"):
         shard.unlink()
@@ -295,6 +297,26 @@ def test_a_selection_from_safetensors_writes_only_what_it_selects(tmp_path: Path
     expected = {"w": both["student.w"]} if "--key" in extra else {"teacher.w": both["teacher.w"], "w": both["student.w"]}
     assert sorted(got) == sorted(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
     assert ckptkit.verify_checkpoint(dst).ok and no_temps(tmp_path)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["safetensors", "pt-under-model"])
+def test_a_selection_counts_the_prefix_it_removes_as_renames(tmp_path: Path, nested: bool) -> None:
+    """Issue 26: ``--key student. --model-only`` said "0 renamed (no prefix -> no prefix)" while
+    every key written had lost ``student.``: renames are counted as names written vs read."""
+    from safetensors.torch import save_file
+
+    both = {"teacher.fc.w": torch.ones(3), "student.fc.w": torch.ones(2), "student.fc.b": torch.ones(2)}
+    if nested:
+        src, key = tmp_path / "both.pt", "model/student."
+        torch.save({"model": both, "epoch": 3}, src)
+    else:
+        src, key = tmp_path / "both.safetensors", "student."
+        save_file(both, src)
+    code, out, err = run("convert", src, tmp_path / "s.safetensors", "--key", key, "--model-only")
+    assert code == 0, err
+    assert "2 tensors (weights at " in out and "2 renamed (student. -> no prefix)" in out, out
+    report = ckptkit.convert_checkpoint(src, tmp_path / "s.pt", key=key, model_only=True, to="ddp")
+    assert (report.renamed, report.prefix_before, report.prefix_after) == (2, "student.", "module.")
 
 
 def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -100,7 +100,7 @@ def test_cli_convert_refuses_a_flipped_payload_bit(tmp_path: Path, src_suffix: s
 def test_convert_checkpoint_refuses_a_flipped_payload_bit(tmp_path: Path, src_suffix: str, out: str, trust: bool) -> None:
     src = make_source(tmp_path, src_suffix)
     flip(src, f"module.{BIG}", where=0.9)
-    with pytest.raises(ckptkit.CheckpointFormatError, match=rf"damaged: tensor module\.{BIG}\b") as e:
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=rf"damaged: tensor module\.{BIG}\b") as e:
         ckptkit.convert_checkpoint(src, tmp_path / f"out{out}", trust=trust)
     assert "fc1.bias" not in str(e.value) and "fc2" not in str(e.value)  # only the damaged tensor is named
     assert leftovers(tmp_path) == []
@@ -110,7 +110,7 @@ def test_every_damaged_tensor_is_named_at_once(tmp_path: Path) -> None:
     src = make_source(tmp_path, ".pt")
     flip(src, f"module.{BIG}")
     flip(src, f"module.{SMALL}")
-    with pytest.raises(ckptkit.CheckpointFormatError) as e:
+    with pytest.raises(ckptkit.errors.CheckpointFormatError) as e:
         ckptkit.convert_checkpoint(src, tmp_path / "out.pt")
     assert f"module.{BIG}" in str(e.value) and f"module.{SMALL}" in str(e.value)
     assert leftovers(tmp_path) == []
@@ -130,7 +130,7 @@ def test_a_flip_in_a_storage_shared_by_views_names_every_view(tmp_path: Path, ou
     data = bytearray(src.read_bytes())
     data[rec.data_offset + 5] ^= 0x01  # inside a's bytes
     src.write_bytes(bytes(data))
-    with pytest.raises(ckptkit.CheckpointFormatError, match=r"damaged: tensors a, b in record src/data/0 \(CRC-32 recorded"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"damaged: tensors a, b in record src/data/0 \(CRC-32 recorded"):
         ckptkit.convert_checkpoint(src, tmp_path / f"out{out}", to="keep")
     assert leftovers(tmp_path) == []
 
@@ -147,7 +147,7 @@ def test_a_flip_in_a_deflated_record_is_caught(tmp_path: Path) -> None:
     data = bytearray(src.read_bytes())
     data[info.header_offset + 30 + len(info.filename) + len(info.extra) + 20] ^= 0x40  # inside the deflated stream
     src.write_bytes(bytes(data))
-    with pytest.raises(ckptkit.CheckpointFormatError, match=r"damaged: tensor w in record stored/data/0 \(compressed bytes that do not inflate"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"damaged: tensor w in record stored/data/0 \(compressed bytes that do not inflate"):
         ckptkit.convert_checkpoint(src, tmp_path / "out.pt", to="keep")
     assert leftovers(tmp_path) == []
 
@@ -279,7 +279,7 @@ def test_zlibs_crc_converts_and_catches_the_same(
     assert (tmp_path / f"zlib{out}").read_bytes() == (tmp_path / f"fast{out}").read_bytes()
     assert ckptkit.verify_checkpoint(tmp_path / f"zlib{out}").ok
     flip(src, f"module.{BIG}")
-    with pytest.raises(ckptkit.CheckpointFormatError, match=rf"damaged: tensor module\.{BIG}\b"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=rf"damaged: tensor module\.{BIG}\b"):
         ckptkit.convert_checkpoint(src, tmp_path / f"out{out}")
     assert leftovers(tmp_path) == []
 

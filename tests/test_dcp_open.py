@@ -32,6 +32,7 @@ from ckptkit.formats.source import NeedsTorch
 from ckptkit.formats.torchzip import SliceReader, TorchZip
 from ckptkit.formats.zipcheck import CENTRAL, read_directory
 from ckptkit.io.fileio import crc32
+from tests.torchcompat import SAVE_ALONE
 
 WHERE = "chunk at [0, 0] in __0_0.distcp"
 WHERE_RE = re.escape(WHERE)
@@ -46,7 +47,7 @@ def _save(tmp_path: Path) -> Path:
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "ckpt.dcp"
-    dcp.save(_state(), checkpoint_id=str(folder), no_dist=True)
+    dcp.save(_state(), checkpoint_id=str(folder), **SAVE_ALONE)
     return folder
 
 
@@ -123,7 +124,7 @@ def test_chunks_found_ahead_by_a_helper_fail_when_the_writer_reaches_them(
 
     state = {"a": torch.arange(1 << 20, dtype=torch.float32), "b": torch.full((64, 64), 2.5), "c": torch.ones(3)}
     folder = tmp_path / "ckpt.dcp"
-    dcp.save(state, checkpoint_id=str(folder), no_dist=True)  # a: one 4 MiB chunk, a step long enough for a helper
+    dcp.save(state, checkpoint_id=str(folder), **SAVE_ALONE)  # a: one 4 MiB chunk, a step long enough for a helper
     if damage == "directory":
         path, offset, zf, _ = _chunk_zip(folder, "b")
         _patch(path, offset + zf.start_dir + 3, b"\x09")

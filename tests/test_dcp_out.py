@@ -13,6 +13,7 @@ from ckptkit.io.atomic import TMP_SUFFIX
 from ckptkit.io.atomicdir import atomic_folder
 from fixtures.make_dcp_fixtures import TinyGPT
 from tests.group import ok_values, run_group
+from tests.torchcompat import LOAD_ALONE
 
 
 def _expected(fixtures_dir: Path) -> dict[str, torch.Tensor]:
@@ -39,7 +40,7 @@ def test_dcp_output_loads_into_a_plain_model(fixtures_dir: Path, tmp_path: Path)
     assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp"]
     model = TinyGPT()
     state = model.state_dict()
-    dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    dcp.load(state, checkpoint_id=str(out), **LOAD_ALONE)
     model.load_state_dict(state)
     for k, v in _expected(fixtures_dir).items():
         assert torch.equal(model.state_dict()[k], v), k

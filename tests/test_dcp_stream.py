@@ -21,6 +21,7 @@ import ckptkit
 from ckptkit.errors import CheckpointFormatError
 from ckptkit.formats.dcp.stream import DcpTensor, open_dcp
 from ckptkit.io.atomic import TMP_SUFFIX
+from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import limited_memory, run_torch_free
 
 
@@ -151,7 +152,7 @@ def _save(tmp_path: Path, state: dict[str, object]) -> Path:
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "single.dcp"
-    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    dcp.save(state, checkpoint_id=str(folder), **SAVE_ALONE)
     return folder
 
 

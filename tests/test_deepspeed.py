@@ -141,7 +141,7 @@ def test_load_for_rank_into_the_model(stage: int) -> None:
 
 def test_load_for_rank_stage1_has_no_frozen_params() -> None:
     # zero_to_fp32 leaves stage 1's frozen parameters out (they exist only in 16-bit): so does ckptkit.
-    with pytest.raises(ckptkit.StateDictMismatchError, match="pos"):
+    with pytest.raises(ckptkit.errors.StateDictMismatchError, match="pos"):
         ckptkit.load_for_rank(folder("bf16", 1), model=TinyLM())
     model = TinyLM()
     ckptkit.load_for_rank(folder("bf16", 1), model=model, strict=False)

@@ -109,7 +109,7 @@ def test_a_weight_map_that_disagrees_with_the_shards_names_the_key(tmp_path: Pat
     edit(index["weight_map"])
     (folder / INDEX[kind]).write_text(json.dumps(index))
     expected = message.format(shard=files[1], first=files[0], last=files[2])
-    with pytest.raises(ckptkit.CheckpointFormatError, match="disagree") as e:
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="disagree") as e:
         ckptkit.read_checkpoint(folder, map_location="cpu")
     assert expected in str(e.value)
     code, _, stderr = run("convert", folder, tmp_path / "out.pt")

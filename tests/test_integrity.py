@@ -30,7 +30,7 @@ def test_safetensors_written_by_ckptkit_detects_a_flipped_bit(tmp_path: Path) ->
     assert verify_ok(path)
     flip(path, 10)  # inside the last tensor's bytes
     assert not verify_ok(path)
-    with pytest.raises(ckptkit.CheckpointFormatError, match="failed verification: CRC-32 of every tensor: damaged"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="failed verification: CRC-32 of every tensor: damaged"):
         ckptkit.load_for_rank(path, verify=True)
 
 
@@ -61,12 +61,12 @@ def test_load_for_rank_verify_catches_a_zip_payload_flip(fixtures_dir: Path, tmp
     data[rec.data_offset] ^= 0x04
     path.write_bytes(bytes(data))
     ckptkit.load_for_rank(path)  # torch.load itself checks no CRC: the flip loads silently
-    with pytest.raises(ckptkit.CheckpointFormatError, match="CRC-32 of every record: damaged"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="CRC-32 of every record: damaged"):
         ckptkit.load_for_rank(path, verify=True)
 
 
 def test_verify_true_still_refuses_unsafe_files_as_unsafe(fixtures_dir: Path) -> None:
-    with pytest.raises(ckptkit.UnsafeCheckpointError):
+    with pytest.raises(ckptkit.errors.UnsafeCheckpointError):
         ckptkit.load_for_rank(fixtures_dir / "needs_trust.pt", verify=True)
     model = TinyNet()
     import argparse

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import ckptkit
+from ckptkit._layout import find_model_state
 from fixtures.models import TiedLM, TinyNet
 
 
@@ -72,7 +73,7 @@ def test_code_payload_is_refused_and_never_runs(tmp_path: Path, legacy: bool) ->
     marker = tmp_path / "PAYLOAD_RAN"
     path = tmp_path / "evil.pt"
     torch.save({"w": torch.ones(2), "x": _Payload(marker)}, path, _use_new_zipfile_serialization=not legacy)
-    with pytest.raises(ckptkit.UnsafeCheckpointError) as err:
+    with pytest.raises(ckptkit.errors.UnsafeCheckpointError) as err:
         ckptkit.load_for_rank(path, model=None)
     assert err.value.globals == ("io.open",)
     assert "io.open" in str(err.value) and "trust=True" in str(err.value)
@@ -102,7 +103,7 @@ def test_mismatch_lists_every_problem_at_once(fixtures_dir: Path) -> None:
             self.bn = nn.BatchNorm1d(32)
             self.out = nn.Linear(32, 4)
 
-    with pytest.raises(ckptkit.StateDictMismatchError) as err:
+    with pytest.raises(ckptkit.errors.StateDictMismatchError) as err:
         ckptkit.load_for_rank(fixtures_dir / "ddp.pt", model=Wider())
     e = err.value
     assert sorted(e.missing) == ["out.bias", "out.weight"]
@@ -150,19 +151,19 @@ def test_tied_safetensors_round_trip(fixtures_dir: Path, tmp_path: Path) -> None
 @pytest.mark.parametrize("key,expect", [(None, "model"), ("model", "model")])
 def test_layout_lookup(fixtures_dir: Path, key: str | None, expect: str) -> None:
     ckpt = torch.load(fixtures_dir / "train_ckpt.pt", weights_only=True)
-    path, sd = ckptkit.find_model_state(ckpt, key=key)
+    path, sd = find_model_state(ckpt, key=key)
     assert path == (expect,) and sd is ckpt["model"]
 
 
 def test_layout_errors_name_what_is_there(fixtures_dir: Path) -> None:
-    with pytest.raises(ckptkit.LayoutError, match=r"no entry 'ema'.*entries: model, optimizer"):
+    with pytest.raises(ckptkit.errors.LayoutError, match=r"no entry 'ema'.*entries: model, optimizer"):
         ckptkit.load_for_rank(fixtures_dir / "train_ckpt.pt", model=TinyNet(), key="ema")
-    with pytest.raises(ckptkit.LayoutError, match="no model state dict found"):
-        ckptkit.find_model_state({"epoch": 1, "lr": 0.1})
+    with pytest.raises(ckptkit.errors.LayoutError, match="no model state dict found"):
+        find_model_state({"epoch": 1, "lr": 0.1})
 
 
 def test_missing_file_suggests_near_names(fixtures_dir: Path) -> None:
-    with pytest.raises(ckptkit.CheckpointNotFoundError, match="similar names there: ddp.pt") as err:
+    with pytest.raises(ckptkit.errors.CheckpointNotFoundError, match="similar names there: ddp.pt") as err:
         ckptkit.load_for_rank(fixtures_dir / "ddp.ptt")
     assert isinstance(err.value, FileNotFoundError)
 
@@ -174,7 +175,7 @@ def test_missing_file_suggests_near_names(fixtures_dir: Path) -> None:
 def test_garbage_files_give_format_errors(tmp_path: Path, content: bytes, match: str) -> None:
     path = tmp_path / "x.pt"
     path.write_bytes(content)
-    with pytest.raises(ckptkit.CheckpointFormatError, match=match):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=match):
         ckptkit.load_for_rank(path)
 
 
@@ -183,12 +184,12 @@ def test_truncated_zip_is_a_format_error(fixtures_dir: Path, tmp_path: Path, cut
     data = (fixtures_dir / "ddp.pt").read_bytes()
     path = tmp_path / "cut.pt"
     path.write_bytes(data[: int(len(data) * cut)])
-    with pytest.raises(ckptkit.CheckpointFormatError, match="cut.pt"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="cut.pt"):
         ckptkit.load_for_rank(path)
 
 
 def test_directory_without_metadata_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ckptkit.CheckpointFormatError, match="folder without a .metadata"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="folder without a .metadata"):
         ckptkit.load_for_rank(tmp_path)
 
 

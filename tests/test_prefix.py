@@ -61,29 +61,29 @@ def test_add_prefix_matches_a_real_wrapper() -> None:
 
 @pytest.mark.parametrize("prefix", ["module", "", ".", "a..b.", 3])
 def test_bad_prefix_is_refused(prefix: object) -> None:
-    with pytest.raises(ckptkit.ArgumentError, match="prefix must be"):
+    with pytest.raises(ckptkit.errors.ArgumentError, match="prefix must be"):
         ckptkit.strip_prefix({"a": 1}, prefix)  # type: ignore[arg-type]
 
 
 def test_strip_refuses_to_merge_wrapped_and_plain_names() -> None:
-    with pytest.raises(ckptkit.ArgumentError, match="merge 1 keys"):
+    with pytest.raises(ckptkit.errors.ArgumentError, match="merge 1 keys"):
         ckptkit.strip_prefix({"module.fc.weight": 1, "fc.weight": 2})
 
 
 @pytest.mark.parametrize("name,prefix", WRAPPED_FIXTURES.items())
 def test_detect_prefixes_on_fixtures(fixtures_dir: Path, name: str, prefix: str) -> None:
-    info = ckptkit.detect_prefixes(load(fixtures_dir / name))
+    info = ckptkit.prefix.detect_prefixes(load(fixtures_dir / name))
     assert info.prefix == prefix
     assert info.wrapped == bool(prefix)
     assert info.nested == ()
 
 
 def test_detect_prefixes_finds_nested_wrappers_and_common_prefix() -> None:
-    info = ckptkit.detect_prefixes(["model.encoder._orig_mod.w", "model.head.w"])
+    info = ckptkit.prefix.detect_prefixes(["model.encoder._orig_mod.w", "model.head.w"])
     assert info.leading == ()
     assert info.nested == ("model.encoder._orig_mod.",)
     assert info.common == "model."
-    assert ckptkit.detect_prefixes({}).leading == ()
+    assert ckptkit.prefix.detect_prefixes({}).leading == ()
 
 
 @pytest.mark.parametrize("name", WRAPPED_FIXTURES)
@@ -91,7 +91,7 @@ def test_detect_prefixes_finds_nested_wrappers_and_common_prefix() -> None:
 def test_every_fixture_loads_strictly_into_every_wrapping(fixtures_dir: Path, name: str, target_name: str) -> None:
     source = load(fixtures_dir / name)
     target = targets()[target_name]
-    adapted = ckptkit.adapt_state_dict(source, target)
+    adapted = ckptkit.prefix.adapt_state_dict(source, target)
     target.load_state_dict(adapted, strict=True)
     plain = ckptkit.unwrap_model(target).state_dict()
     reference = load(fixtures_dir / "plain.pt")
@@ -104,34 +104,34 @@ def test_every_fixture_loads_strictly_into_every_wrapping(fixtures_dir: Path, na
 
 def test_adapt_round_trip_keeps_order_identity_and_metadata(fixtures_dir: Path) -> None:
     ddp = load(fixtures_dir / "ddp.pt")
-    plain = ckptkit.adapt_state_dict(ddp, TinyNet())
-    back = ckptkit.adapt_state_dict(plain, nn.DataParallel(TinyNet()))
+    plain = ckptkit.prefix.adapt_state_dict(ddp, TinyNet())
+    back = ckptkit.prefix.adapt_state_dict(plain, nn.DataParallel(TinyNet()))
     assert list(back) == list(ddp)
     assert all(back[k] is ddp[k] for k in ddp)
     assert back._metadata == ddp._metadata
 
 
 def test_adapt_to_key_collection_and_unmatched_keys_keep_names() -> None:
-    out = ckptkit.adapt_state_dict({"module.a.w": 1, "module.extra": 2}, ["a.w", "b.w"])
+    out = ckptkit.prefix.adapt_state_dict({"module.a.w": 1, "module.extra": 2}, ["a.w", "b.w"])
     assert list(out.items()) == [("a.w", 1), ("extra", 2)]
 
 
 def test_adapt_handles_wrappers_below_the_root() -> None:
     source = {"encoder.module.fc.weight": 1, "head._orig_mod.weight": 2}
-    out = ckptkit.adapt_state_dict(source, ["encoder.fc.weight", "head.weight"])
+    out = ckptkit.prefix.adapt_state_dict(source, ["encoder.fc.weight", "head.weight"])
     assert list(out.items()) == [("encoder.fc.weight", 1), ("head.weight", 2)]
 
 
 def test_adapt_with_lightning_prefix(fixtures_dir: Path) -> None:
     ckpt = load(fixtures_dir / "lightning.ckpt")
     model = TinyNet()
-    adapted = ckptkit.adapt_state_dict(ckpt["state_dict"], model, wrappers=("model.",))
+    adapted = ckptkit.prefix.adapt_state_dict(ckpt["state_dict"], model, wrappers=("model.",))
     model.load_state_dict(adapted, strict=True)
 
 
 def test_tied_weights_survive_adaptation(fixtures_dir: Path) -> None:
     lm = TiedLM()
-    lm.load_state_dict(ckptkit.adapt_state_dict(load(fixtures_dir / "tied_ddp.pt"), lm), strict=True)
+    lm.load_state_dict(ckptkit.prefix.adapt_state_dict(load(fixtures_dir / "tied_ddp.pt"), lm), strict=True)
     assert lm.head.weight is lm.embed.weight
 
 
@@ -139,7 +139,7 @@ def test_optimizer_state_is_untouched_by_key_rewrites(fixtures_dir: Path) -> Non
     ckpt = load(fixtures_dir / "train_ckpt.pt")
     before = {k: v.clone() for k, v in ckpt["optimizer"]["state"][0].items()}
     model = TinyNet()
-    model.load_state_dict(ckptkit.adapt_state_dict(ckpt["model"], model))
+    model.load_state_dict(ckptkit.prefix.adapt_state_dict(ckpt["model"], model))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     opt.load_state_dict(ckpt["optimizer"])  # keyed by parameter index: still valid
     assert all(torch.equal(opt.state[model.fc1.weight][k], v) for k, v in before.items())

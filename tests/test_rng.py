@@ -6,7 +6,7 @@ import random
 import numpy as np
 import torch
 
-import ckptkit
+from ckptkit._rng import capture_rng_state, restore_rng_state
 
 
 def draws() -> tuple:
@@ -15,7 +15,7 @@ def draws() -> tuple:
 
 def test_capture_restore_round_trip_through_a_weights_only_file() -> None:
     np.random.randn()  # leave a cached gaussian in numpy's state
-    state = ckptkit.capture_rng_state()
+    state = capture_rng_state()
     expected = draws()
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -24,7 +24,7 @@ def test_capture_restore_round_trip_through_a_weights_only_file() -> None:
     random.seed(99)
     np.random.seed(99)
     torch.manual_seed(99)
-    ckptkit.restore_rng_state(loaded)
+    restore_rng_state(loaded)
     assert draws() == expected
 
 
@@ -33,4 +33,4 @@ def test_cuda_state_is_absent_without_cuda() -> None:
         import pytest
 
         pytest.skip("CUDA present: tests/test_cuda.py covers its state")
-    assert ckptkit.capture_rng_state()["cuda"] is None
+    assert capture_rng_state()["cuda"] is None

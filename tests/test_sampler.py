@@ -97,7 +97,7 @@ def test_state_dict_warns_when_advance_was_never_called() -> None:
 def test_dataset_size_change_is_refused() -> None:
     (s,) = ranks(10, 1)
     (t,) = ranks(12, 1)
-    with pytest.raises(ckptkit.ResumeError, match="dataset of 10 samples, this one has 12"):
+    with pytest.raises(ckptkit.errors.ResumeError, match="dataset of 10 samples, this one has 12"):
         t.load_state_dict(s.state_dict())
 
 
@@ -111,5 +111,5 @@ def test_checkpoint_seed_wins_with_a_warning() -> None:
 
 def test_negative_advance_is_refused() -> None:
     (s,) = ranks(10, 1)
-    with pytest.raises(ckptkit.ArgumentError):
+    with pytest.raises(ckptkit.errors.ArgumentError):
         s.advance(-1)

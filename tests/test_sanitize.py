@@ -22,6 +22,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
+from ckptkit._convreport import ConvertReport
 from ckptkit.cli import main
 
 
@@ -78,7 +79,7 @@ def raw(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().view(torch.uint8).numpy())
 
 
-def convert(tmp_path: Path, obj: Any, **kw: Any) -> tuple[ckptkit.ConvertReport, Any]:
+def convert(tmp_path: Path, obj: Any, **kw: Any) -> tuple[ConvertReport, Any]:
     torch.save(obj, tmp_path / "old.pt")
     report = ckptkit.convert_checkpoint(tmp_path / "old.pt", tmp_path / "clean.pt", trust=True, sanitize=True, **kw)
     return report, torch.load(tmp_path / "clean.pt", weights_only=True)
@@ -170,7 +171,7 @@ def test_an_unknown_class_is_refused_naming_its_key_path_and_class(tmp_path: Pat
 
 def test_sanitize_needs_trust(tmp_path: Path) -> None:
     torch.save(fairseq_like(), tmp_path / "old.pt")
-    with pytest.raises(ckptkit.ArgumentError, match=r"add trust=True if you trust"):
+    with pytest.raises(ckptkit.errors.ArgumentError, match=r"add trust=True if you trust"):
         ckptkit.convert_checkpoint(tmp_path / "old.pt", tmp_path / "clean.pt", sanitize=True)
 
 

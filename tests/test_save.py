@@ -40,14 +40,14 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> No
     path = tmp_path / "ckpt.pt"
     ckptkit.save_on_master({"v": torch.ones(3)}, path)
     before = path.read_bytes()
-    with pytest.raises(ckptkit.CheckpointWriteError, match="cannot pickle me"):
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="cannot pickle me"):
         ckptkit.save_on_master({"v": torch.zeros(3), "bad": Unpicklable()}, path)
     assert path.read_bytes() == before
     assert leftovers(tmp_path) == []
 
 
 def test_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ckptkit.CheckpointWriteError, match=r"nope does not exist; create the folder first"):
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=r"nope does not exist; create the folder first"):
         ckptkit.save_on_master({"v": torch.ones(1)}, tmp_path / "nope" / "ckpt.pt")
 
 
@@ -55,7 +55,7 @@ def test_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
 def test_read_only_folder_is_a_clear_error(tmp_path: Path) -> None:
     tmp_path.chmod(0o500)
     try:
-        with pytest.raises(ckptkit.CheckpointWriteError, match="permission denied"):
+        with pytest.raises(ckptkit.errors.CheckpointWriteError, match="permission denied"):
             ckptkit.save_on_master({"v": torch.ones(1)}, tmp_path / "ckpt.pt")
     finally:
         tmp_path.chmod(0o700)
@@ -101,7 +101,7 @@ def test_temp_of_a_live_writer_is_left_alone(tmp_path: Path) -> None:
 
 
 def test_safetensors_refuses_non_tensors_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ckptkit.ArgumentError, match=r"2 entries are not: epoch \(int\), args \(dict\)"):
+    with pytest.raises(ckptkit.errors.ArgumentError, match=r"2 entries are not: epoch \(int\), args \(dict\)"):
         ckptkit.save_on_master({"w": torch.ones(1), "epoch": 3, "args": {}}, tmp_path / "x.safetensors")
     assert list(tmp_path.iterdir()) == []
 

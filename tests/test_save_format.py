@@ -102,5 +102,5 @@ def test_a_record_written_short_or_long_of_its_header_is_refused(tmp_path: Path,
     come: a writer that delivers another count must fail, not leave a zip whose records lie."""
     with open(tmp_path / "out.zip", "wb") as f:
         w = zipwrite.ZipWriter(f)
-        with pytest.raises(ckptkit.CheckpointFormatError, match=rf"record a/data/0: {written} bytes written, its header says 10"):
+        with pytest.raises(ckptkit.errors.CheckpointFormatError, match=rf"record a/data/0: {written} bytes written, its header says 10"):
             w.add_written("a/data/0", 10, lambda: fileio.write_checked(f, b"x" * written))

@@ -43,22 +43,22 @@ def test_several_optimizers_as_a_dict(tmp_path: Path) -> None:
     opt2 = torch.optim.Adam(model.parameters())
     ckptkit.save_training_state(tmp_path / "s.pt", model=model, optimizer={"a": opt, "b": opt2})
     ckptkit.load_training_state(tmp_path / "s.pt", model=model, optimizer={"a": opt, "b": opt2})
-    with pytest.raises(ckptkit.ResumeError, match="saved optimizer as 'dict', but 'one' was passed"):
+    with pytest.raises(ckptkit.errors.ResumeError, match="saved optimizer as 'dict', but 'one' was passed"):
         ckptkit.load_training_state(tmp_path / "s.pt", model=model, optimizer=opt)
 
 
 def test_missing_parts_are_named(tmp_path: Path) -> None:
     model, opt, _ = parts()
     ckptkit.save_training_state(tmp_path / "s.pt", model=model)
-    with pytest.raises(ckptkit.ResumeError, match="has no optimizer state"):
+    with pytest.raises(ckptkit.errors.ResumeError, match="has no optimizer state"):
         ckptkit.load_training_state(tmp_path / "s.pt", model=model, optimizer=opt)
     sampler = ckptkit.ResumableDistributedSampler(range(4))
-    with pytest.raises(ckptkit.ResumeError, match="has no sampler state"):
+    with pytest.raises(ckptkit.errors.ResumeError, match="has no sampler state"):
         ckptkit.load_training_state(tmp_path / "s.pt", model=model, sampler=sampler)
 
 
 def test_a_plain_checkpoint_is_not_a_training_state(fixtures_dir: Path) -> None:
-    with pytest.raises(ckptkit.ResumeError, match="not a ckptkit training state"):
+    with pytest.raises(ckptkit.errors.ResumeError, match="not a ckptkit training state"):
         ckptkit.load_training_state(fixtures_dir / "train_ckpt.pt", model=TinyNet())
 
 

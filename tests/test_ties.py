@@ -132,7 +132,7 @@ def test_truly_absent_key_is_still_an_error(tmp_path: Path) -> None:
     st.save_file(sd, str(tmp_path / "partial.safetensors"))
     model = _lm(1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ckptkit.StateDictMismatchError, match=r"1 missing key\(s\) \(norm.weight\)") as e:
+    with pytest.raises(ckptkit.errors.StateDictMismatchError, match=r"1 missing key\(s\) \(norm.weight\)") as e:
         ckptkit.load_for_rank(tmp_path / "partial.safetensors", model=model)
     assert e.value.missing == ["norm.weight"] and not e.value.unexpected and not e.value.mismatched
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing was changed
@@ -144,7 +144,7 @@ def test_truly_absent_key_is_still_an_error(tmp_path: Path) -> None:
 def test_mis_shaped_tied_source_is_one_mismatch(tmp_path: Path) -> None:
     source = TiedLM(vocab=16)
     st.save_model(source, str(tmp_path / "small.safetensors"))
-    with pytest.raises(ckptkit.StateDictMismatchError, match=r"embed.weight: checkpoint \[16, 8\] vs model \[32, 8\]") as e:
+    with pytest.raises(ckptkit.errors.StateDictMismatchError, match=r"embed.weight: checkpoint \[16, 8\] vs model \[32, 8\]") as e:
         ckptkit.load_for_rank(tmp_path / "small.safetensors", model=TiedLM(vocab=32))
     assert e.value.mismatched == [("embed.weight", (16, 8), (32, 8))]
     assert not e.value.missing and not e.value.unexpected  # head.weight is embed.weight: not absent too

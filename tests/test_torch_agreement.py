@@ -109,6 +109,8 @@ DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_what_torch_refuses_verify_fails_and_convert_refuses(tmp_path: Path, damage: str) -> None:
     base = saved(tmp_path / "base.pt", {"module.w": torch.arange(6.0), "module.b": torch.ones(2)})
+    if damage.startswith("storage_alignment") and not any(n.endswith("/.storage_alignment") for n in zipfile.ZipFile(base).namelist()):
+        pytest.skip(f"torch {torch.__version__} writes (and reads) no .storage_alignment record; later releases do")
     bad = DAMAGE[damage](base, tmp_path / "bad.pt")
     with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError, ValueError, ... by case
         torch.load(bad, weights_only=True)
@@ -125,7 +127,7 @@ def test_a_record_marked_as_a_folder_is_refused(tmp_path: Path) -> None:
 
 def assert_refused(bad: Path, tmp_path: Path) -> None:
     assert not ckptkit.verify_checkpoint(bad).ok
-    with pytest.raises(ckptkit.CheckpointFormatError):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError):
         ckptkit.load_for_rank(bad)
     for out in (tmp_path / "out.pt", tmp_path / "out.safetensors"):
         result = CliRunner().invoke(main, ["convert", str(bad), str(out)])
@@ -212,7 +214,7 @@ def test_verify_and_the_loader_agree_on_a_storage_larger_than_its_record(tmp_pat
                 ref.pid = (*ref.pid[:4], 127)  # 127 floats declared, 16 stored: CRCs stay right
                 data = torchdump.dumps(obj)[0]
             zout.writestr(info, data)
-    with pytest.raises(ckptkit.CheckpointFormatError, match="declares 508 bytes but its record holds 64"):
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="declares 508 bytes but its record holds 64"):
         ckptkit.read_checkpoint(tmp_path / "big.pt")
     report = ckptkit.verify_checkpoint(tmp_path / "big.pt")
     assert not report.ok and "declares 508 bytes" in " ".join(c.detail for c in report.checks)

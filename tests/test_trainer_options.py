@@ -103,7 +103,7 @@ def test_named_stateful_objects_round_trip(tmp_path: Path) -> None:
     assert counter2.seen == 42
     mom, mom2 = opt2.state_dict()["state"], opt2_b.state_dict()["state"]
     assert all(torch.equal(mom[i]["momentum_buffer"], mom2[i]["momentum_buffer"]) for i in mom)
-    with pytest.raises(ckptkit.ResumeError, match="no saved state for teacher"):
+    with pytest.raises(ckptkit.errors.ResumeError, match="no saved state for teacher"):
         ckptkit.load_training_state(tmp_path / "s.pt", model=TinyNet(), stateful={"teacher": TinyNet()})
 
 
@@ -130,7 +130,7 @@ def test_a_model_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
     fresh = ckptkit.ResumableDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     before = (fresh.state_dict(), {k: v.clone() for k, v in other.state_dict().items()},
               [{k: v.clone() for k, v in s.items()} for s in other_opt.state.values()], torch.get_rng_state())  # fmt: skip
-    with pytest.raises(ckptkit.StateDictMismatchError):
+    with pytest.raises(ckptkit.errors.StateDictMismatchError):
         ckptkit.load_training_state(tmp_path / "s.pt", model=other, optimizer=other_opt, sampler=fresh)
     assert fresh.state_dict() == before[0]  # the sampler did not move
     assert all(torch.equal(v, before[1][k]) for k, v in other.state_dict().items())

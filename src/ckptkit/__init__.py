@@ -3,8 +3,8 @@
 The public API is ``__all__`` below, plus two public submodules: :mod:`ckptkit.errors` (every
 exception) and :mod:`ckptkit.prefix` (the key-renaming tools). Names are imported on first use
 (PEP 562), so ``import ckptkit`` does not import torch until a function that needs it is touched.
-The names of earlier releases that now live in those submodules (``ckptkit.UnsafeCheckpointError``,
-``ckptkit.detect_prefixes``...) still resolve here.
+Every other name lives in its own module: ``ckptkit.errors.UnsafeCheckpointError``,
+``ckptkit.prefix.detect_prefixes``.
 
 Layers, each importing only its own and those below it (``tests/test_architecture.py`` holds
 this; README's "Architecture" section lists every module):
@@ -52,35 +52,25 @@ _PUBLIC: dict[str, str] = {
     "add_prefix": ".prefix",
 }
 
-# Earlier releases exported these at the top level; they keep resolving.
-_ELSEWHERE: dict[str, str] = {
-    **{name: ".errors" for name in ("ArgumentError", "CheckpointFormatError", "CheckpointNotFoundError",
-                                    "CheckpointWriteError", "DistributedError", "LayoutError", "ResumeError",
-                                    "StateDictMismatchError", "UnsafeCheckpointError")},  # fmt: skip
-    **{name: ".prefix" for name in ("detect_prefixes", "adapt_state_dict", "rewrite_prefixes", "PrefixInfo", "WRAPPER_PREFIXES")},
-    "find_model_state": "._layout",
-    "capture_rng_state": "._rng",
-    "restore_rng_state": "._rng",
-    "ConvertReport": "._convreport",
-    "CheckpointSummary": "._inspect",
-    "DiffReport": "._diff",
-    "VerifyReport": "._verify",
-}
+# The public submodules, imported on first use like the names above.
+_SUBMODULES = ("errors", "prefix")
 
 __all__ = ["CkptkitError", "__version__", *_PUBLIC]
 
 
 def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name) or _ELSEWHERE.get(name)
-    if module is None:
+    if name in _SUBMODULES:
+        value: Any = importlib.import_module(f".{name}", __name__)
+    elif name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    else:
         raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
 
 
 if TYPE_CHECKING:

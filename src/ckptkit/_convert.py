@@ -10,7 +10,6 @@ safetensors source has its recorded CRC-32s checked before anything is written (
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
@@ -87,7 +86,6 @@ def convert_checkpoint(
     allow_globals: AllowGlobals = (),
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    weights_only: bool | None = None,
     max_shard_size: int | str | None = None,
     format: Literal["dcp"] | None = None,
     zero_weights: Literal["fp32", "module"] = "fp32",
@@ -129,7 +127,6 @@ def convert_checkpoint(
         allow_globals: classes (or ``"module.Name"`` strings) to admit when unpickling ``src``.
         force: replace an existing ``dst``.
         progress: called as ``progress(bytes_done_now, bytes_total)`` while copying.
-        weights_only: the former name of ``model_only`` (deprecated).
         max_shard_size: for a folder output, the shard size limit: bytes, or ``"5GB"``/``"500MB"``
             (decimal units, as huggingface_hub's; default ``"5GB"``).
         format: ``"dcp"`` writes ``dst`` as a torch.distributed.checkpoint folder (through DCP's
@@ -161,9 +158,6 @@ def convert_checkpoint(
         >>> convert_checkpoint("ddp.pt", "single.pt")  # doctest: +SKIP
         >>> convert_checkpoint("old.pt", "clean.pt", trust=True, sanitize=True, dtype="bf16")  # doctest: +SKIP
     """
-    if weights_only is not None:
-        warnings.warn("convert_checkpoint(weights_only=...) is now model_only=...", DeprecationWarning, stacklevel=2)
-        model_only = model_only or weights_only
     if to not in ("single", "ddp", "keep"):
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     if dtype is not None:

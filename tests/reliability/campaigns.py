@@ -298,7 +298,7 @@ def code_payloads(trials: int, folder: Path, seed: int) -> dict[str, Any]:
                     outcome = "verified as fine"
                 if rname == "inspect_checkpoint" and result.needs_trust:
                     outcome = "refused"  # a summary that names the globals instead of loading them
-            except ckptkit.UnsafeCheckpointError:
+            except ckptkit.errors.UnsafeCheckpointError:
                 outcome = "refused"
             except ckptkit.CkptkitError as e:
                 outcome = f"{type(e).__name__}"

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.torchcompat import SAVE_ALONE
+
 BASES = ["ddp.pt", "train_ckpt.pt", "legacy_ddp.pt", "ddp.safetensors", "tied.safetensors"]
 
 
@@ -113,7 +115,7 @@ def _dcp_cases(work: Path) -> Iterator[tuple[str, str, Path]]:
 
     good = work / "dcp_good"
     if not good.exists():
-        dcp.save({"w": torch.ones(8), "epoch": 3}, checkpoint_id=str(good), no_dist=True)
+        dcp.save({"w": torch.ones(8), "epoch": 3}, checkpoint_id=str(good), **SAVE_ALONE)
     cases = {
         "missing shard": lambda d: [p.unlink() for p in d.glob("*.distcp")],
         "missing .metadata": lambda d: (d / ".metadata").unlink(),

@@ -23,7 +23,7 @@ def save_under_fault(rank: int, world: int, folder: str, fault: str) -> str:
         subprocess.run(["chattr", "+i", folder], check=True)
     try:
         ckptkit.save_on_master({"w": torch.zeros(1 << 20)} if rank == 0 else None, path, timeout=30)  # 4 MiB
-    except ckptkit.CheckpointWriteError as e:
+    except ckptkit.errors.CheckpointWriteError as e:
         return str(e)
     finally:
         if rank == 0 and fault == "permission denied":

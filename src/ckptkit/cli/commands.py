@@ -25,8 +25,7 @@ ALLOW_GLOBAL = click.option(
               help="single: remove module./_orig_mod.; ddp: then add module.; keep: leave wrappers.")  # fmt: skip
 @click.option("--strip", multiple=True, metavar="PREFIX", help="Also remove PREFIX (repeatable), e.g. Lightning's model.")
 @click.option("--add", multiple=True, metavar="PREFIX", help="Add PREFIX to every key (repeatable).")
-@click.option("--model-only", "--weights-only", "model_only", is_flag=True,
-              help="Write only the model state dict, dropping optimizer etc. (--weights-only: the former name).")  # fmt: skip
+@click.option("--model-only", "model_only", is_flag=True, help="Write only the model state dict, dropping optimizer etc.")
 @click.option("--key", metavar="PATH", help="Where the weights are in SRC, e.g. ema or ema/model; student. (ending in .) "
               "picks the keys under that prefix, with --model-only.")
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling of SRC. Only for files you trust.")

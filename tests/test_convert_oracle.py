@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import ckptkit
 from ckptkit.cli import main
 from ckptkit.io.atomic import TMP_SUFFIX
+from tests.torchcompat import LOAD_ALONE, SAVE_ALONE
 
 WRAPPERS = ("module", "_orig_mod")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
@@ -110,7 +111,7 @@ def write_hf(sd: dict[str, torch.Tensor], folder: Path) -> Path:
 def write_dcp(sd: dict[str, torch.Tensor], folder: Path) -> Path:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_contiguous(sd), checkpoint_id=folder / "src.dcp", no_dist=True)
+    dcp.save(_contiguous(sd), checkpoint_id=folder / "src.dcp", **SAVE_ALONE)
     return folder / "src.dcp"
 
 
@@ -157,7 +158,7 @@ def read_output(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Te
         import torch.distributed.checkpoint as dcp
 
         got = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in like.items()}
-        dcp.load(got, checkpoint_id=path, no_dist=True)
+        dcp.load(got, checkpoint_id=path, **LOAD_ALONE)
         return got
     from huggingface_hub import load_state_dict_from_file
 
@@ -298,7 +299,7 @@ def _save_model(model: torch.nn.Module, folder: Path, how: str, wrapper: str) ->
         return folder / how
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(sd, checkpoint_id=folder / "m.dcp", no_dist=True)
+    dcp.save(sd, checkpoint_id=folder / "m.dcp", **SAVE_ALONE)
     return folder / "m.dcp"
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import enum
+import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
+from ckptkit._layout import find_model_state
 from ckptkit.cli import main
 from ckptkit.errors import CkptkitError, UnsafeCheckpointError
 from fixtures.models import TinyNet
@@ -141,7 +144,7 @@ def test_python_advice_works_when_followed(tmp_path: Path, name: str) -> None:
     if "allow_globals" in advice:  # the error's names are the advice's, in the same order
         assert list(info.value.globals) == advice["allow_globals"]
     got = ckptkit.load_for_rank(path, **advice)
-    assert torch.equal(ckptkit.find_model_state(got)[1]["fc1.weight"], _sd()["fc1.weight"])
+    assert torch.equal(find_model_state(got)[1]["fc1.weight"], _sd()["fc1.weight"])
 
 
 @pytest.mark.parametrize("name", _cases("convert"))
@@ -165,7 +168,7 @@ def _cli_advice_works(tmp_path: Path, name: str, command: str) -> None:
     assert code == 0, again
     if command == "convert":  # what it wrote: the same weights (its other entries still need the flags)
         written = ckptkit.read_checkpoint(tmp_path / "out.pt", trust=True)
-        assert torch.equal(ckptkit.find_model_state(written)[1]["fc1.weight"], _sd()["fc1.weight"])
+        assert torch.equal(find_model_state(written)[1]["fc1.weight"], _sd()["fc1.weight"])
 
 
 @pytest.mark.parametrize("name", _cases("verify"))
@@ -219,6 +222,9 @@ def test_advice_that_cannot_work_is_not_given(tmp_path: Path) -> None:
     """A filled defaultdict: torch's weights-only unpickler sets items only on dicts, so allowing
     its globals is not enough; the refusal says so, with torch's reason, and advises only trust."""
     path = _save(tmp_path, "defaultdict")
+    with contextlib.suppress(pickle.UnpicklingError), torch.serialization.safe_globals([collections.defaultdict, list]):
+        torch.load(path, weights_only=True)
+        pytest.skip(f"torch {torch.__version__} sets items on an allowed defaultdict: allowing its globals works there")
     with pytest.raises(UnsafeCheckpointError) as info:
         ckptkit.load_for_rank(path)
     assert "allow_globals" not in str(info.value) and "Can only SETITEM" in str(info.value)

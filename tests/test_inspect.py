@@ -1,0 +1,54 @@
+"""inspect: each key listed once, tied storage counted once, and how a trusted file was loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+import ckptkit
+from ckptkit._layout import find_model_state
+from ckptkit.cli import main
+
+
+def run(*args: object) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+# -- inspect --trust says how it loaded -----------------------------------------------------
+
+
+# Was: `inspect --trust` claims "(loaded with torch, weights-only)" after weights_only=False.
+def test_inspect_trust_does_not_claim_weights_only(fixtures_dir: Path) -> None:
+    code, out, err = run("inspect", fixtures_dir / "needs_trust.pt", "--trust")
+    assert code == 0, err
+    assert "weights-only" not in out
+    assert "trust" in out
+
+
+# -- inspect of a flat state dict; bytes of tied tensors -----------------------------------
+
+
+# Was: inspect of a flat state dict lists every key twice.
+def test_inspect_flat_state_dict_lists_each_key_once(fixtures_dir: Path) -> None:
+    keys = [k for k in torch.load(fixtures_dir / "plain.pt", weights_only=True)
+            if not any(part.isdigit() for part in k.split("."))]  # fmt: skip
+    assert len(keys) == 9
+    code, out, err = run("inspect", fixtures_dir / "plain.pt")
+    assert code == 0, err
+    for key in keys:
+        assert sum(key in line.split() for line in out.splitlines()) == 1, (key, out)
+
+
+# Was: bytes_by_dtype counts a tied tensor once per name instead of once per storage.
+def test_inspect_counts_tied_storage_once(fixtures_dir: Path) -> None:
+    obj = torch.load(fixtures_dir / "tied_ddp.pt", weights_only=True)
+    state = find_model_state(obj)[1]
+    seen: dict[int, int] = {}
+    for t in state.values():
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert len(seen) < len(state)  # the fixture does hold a tied pair
+    summary = ckptkit.inspect_checkpoint(fixtures_dir / "tied_ddp.pt")
+    assert sum(summary.bytes_by_dtype.values()) == sum(seen.values())
