@@ -84,7 +84,10 @@ class Job:
             with atomic_write(self.dest, check=lambda tmp: check_written(tmp, self.out_fmt, dest=self.dest)) as f:
                 write(f, out, new_state)
         hf: Any = written if self.out_fmt == HF else None  # formats.hf.write.Written
-        before, after = renamed_prefixes(list(state), list(new_state))
+        # Names as the source spells them: key="student." selected them with the prefix removed.
+        chosen = path[-1] if path and path[-1].endswith(".") else ""
+        names = [chosen + k for k in state]
+        before, after = renamed_prefixes(names, list(new_state))
         notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
         if count:
             keep = spell("to='keep'", "--to keep")
@@ -96,7 +99,7 @@ class Job:
             destination_format=self.out_fmt,
             weights_at="/".join(path),
             tensors=len(new_state),
-            renamed=sum(a != b for a, b in zip(state, new_state, strict=True)),
+            renamed=sum(a != b for a, b in zip(names, new_state, strict=True)),
             prefix_before=before,
             prefix_after=after,
             dropped=others if self.model_only else [],

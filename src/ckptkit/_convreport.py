@@ -22,10 +22,11 @@ class ConvertReport:
         source_format, destination_format: e.g. ``torch-zip``, ``safetensors``.
         weights_at: where the weights were in the source (``""`` for the top level).
         tensors: number of weight tensors.
-        renamed: how many weight keys changed name.
+        renamed: how many weight keys are written under another name than the source's (with
+            ``key="student."``, every key that lost ``student.``).
         prefix_before, prefix_after: the leading part of the renamed keys before and after
-            (``"module."`` and ``""`` for DDP -> single); both the leading wrappers when none
-            was renamed.
+            (``"module."`` and ``""`` for DDP -> single, ``"student."`` and ``""`` for
+            ``key="student."``); both the leading wrappers when none was renamed.
         dropped: top-level entries not written (with ``model_only``).
         left: other entries that also hold wrapped weights (an EMA copy), left as they were;
             convert them with ``key=``.

@@ -8,6 +8,7 @@ The object comes from ckptkit's safe readers: nothing was unpickled that the cal
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Mapping
@@ -42,7 +43,7 @@ def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:
         try:
             with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": meant
                 warnings.simplefilter("ignore")
-                dcp.save(dict(obj), storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+                _save_alone(dict(obj), dcp.FileSystemWriter(str(tmp), sync_files=True))
         except CkptkitError:
             raise
         except OSError as e:
@@ -54,6 +55,22 @@ def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:
                 f"{spell('model_only=True', '--model-only')} writes the weights alone"
             ) from e
         return sum(p.stat().st_size for p in tmp.iterdir())
+
+
+def _save_alone(state: dict[str, Any], writer: Any) -> None:
+    """``dcp.save`` in this process alone, even inside a process group (``no_dist=True``).
+
+    torch 2.6's ``dcp.save`` has no ``no_dist`` (it infers it from whether a group exists);
+    its ``_save_state_dict``, which ``dcp.save`` calls, takes it (as ``_dcpread`` uses ``_load_state_dict``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" in inspect.signature(dcp.save).parameters:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    else:
+        from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+        _save_state_dict(state, storage_writer=writer, no_dist=True)
 
 
 def _first_line(e: BaseException) -> str:

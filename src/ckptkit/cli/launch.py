@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import click
 
+from ckptkit.errors import ArgumentError
 from ckptkit.train import build_parser, check_environment, parse_args
 
 from .base import Stopped, handle_errors, main, signals_deferred
@@ -68,6 +69,12 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
     with signals_deferred():  # Ctrl-C while torch's C++ starts up: raised once it has (only that:
         import torch.distributed.run  # noqa: F401  # a user's --model below stays interruptible)
     check_environment(cfg)  # a missing --resume file, an --model that does not import: exit 1
+    source = click.get_current_context().get_parameter_source("shutdown_timeout")
+    if source != click.core.ParameterSource.DEFAULT and "--shutdown-timeout" not in _torchrun_options():
+        import torch
+
+        raise ArgumentError(f"--shutdown-timeout: the torchrun of this torch ({torch.__version__}) cannot set the workers' "
+                            "grace period (a newer torch's torchrun can); leave it out to use torchrun's own")  # fmt: skip
     launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts)]
     if node_rank is not None:
         launcher += ["--node-rank", str(node_rank)]
@@ -88,12 +95,9 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path, shutd
     from torch.distributed.run import get_args_parser, run
 
     parser = get_args_parser()
-    known = {option for action in parser._actions for option in action.option_strings}
-    if "--shutdown-timeout" in known:
+    known = _torchrun_options()
+    if "--shutdown-timeout" in known:  # else (torch 2.6) the agent's own grace period; asked for, refused above
         launcher = [*launcher, "--shutdown-timeout", str(shutdown_timeout)]
-    else:  # an older torchrun: its agent's own grace period applies, said rather than dropped
-        click.echo(f"note: this torch's torchrun has no --shutdown-timeout; after Ctrl-C or SIGTERM the workers get "
-                   f"torchrun's own grace period to save, not {shutdown_timeout} s", err=True)  # fmt: skip
     if "--signals-to-handle" in known:
         # The agent would pass SIGINT on to the workers, and a worker still importing Python
         # modules dies of it with a traceback. Left to this process, they raise here instead,
@@ -128,6 +132,14 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path, shutd
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _torchrun_options() -> set[str]:
+    """The options this torch's torchrun takes (torch 2.6's lacks ``--shutdown-timeout`` and
+    ``--signals-to-handle``): ckptkit passes torchrun only what it has."""
+    from torch.distributed.run import get_args_parser
+
+    return {option for action in get_args_parser()._actions for option in action.option_strings}
 
 
 def _stopped(name: str, out: Path, started: float) -> tuple[int, str]:

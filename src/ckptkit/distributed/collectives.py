@@ -94,7 +94,10 @@ def _to_tensor(obj: Any) -> Any:
     import torch
 
     data = pickle.dumps(obj)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    # A copy torch owns: freeing a frombuffer tensor takes the GIL, and when gloo's worker thread
+    # drops the last reference while destroy_process_group() holds the GIL, the process hangs
+    # for good (torch 2.6: every `ckptkit train` under torchrun at its end).
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if data else torch.empty(0, dtype=torch.uint8)
 
 
 def _from_tensor(t: Any, size: int) -> Any:

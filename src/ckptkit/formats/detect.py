@@ -133,7 +133,8 @@ def _refuse_programs(p: Path, f: BinaryIO) -> None:
             f"{p}: is a TorchScript archive (torch.jit.save): a compiled program, not a checkpoint. "
             f"Load it with torch.jit.load({str(p)!r}) and save its state_dict() to get one"
         )
-    if "archive_format" in base or "models/model.json" in base:
+    # torch 2.6's torch.export.save wrote serialized_exported_program.json, later ones a PT2 archive
+    if "archive_format" in base or "models/model.json" in base or "serialized_exported_program.json" in base:
         raise UnsupportedCheckpointError(
             f"{p}: is a torch.export archive (torch.export.save): a program, not a checkpoint. "
             f"Load it with torch.export.load({str(p)!r}) and save .module().state_dict() to get one"

@@ -24,7 +24,7 @@ import sys
 
 from ckptkit.errors import ArgumentError, CkptkitError
 
-from .config import TrainConfig, build_parser, check, check_environment, parse_args
+from .config import TrainConfig, build_parser, check, check_environment, flags_spelled, parse_args
 from .loop import train
 from .task import default_data, default_model
 
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     for any other ckptkit error, each told in one line by rank 0 (the others fail the same way).
     """
     try:
-        result = train(parse_args(argv))
+        with flags_spelled():
+            result = train(parse_args(argv))
     except CkptkitError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"ckptkit.train: error: {e}", file=sys.stderr, flush=True)

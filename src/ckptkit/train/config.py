@@ -12,8 +12,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import importlib
 import os
+from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, NoReturn
 
@@ -49,6 +52,25 @@ class TrainConfig:
     log_every: int = _option(10, "optimizer steps between log lines")
     model: str = _option("", "pkg.module:factory returning your nn.Module", shown="the built-in MLP")
     data: str = _option("", "pkg.module:factory returning (train_dataset, val_dataset)", shown="the built-in task")
+
+
+_FLAGS: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptkit_train_flags", default=False)
+
+
+def spelled(keyword: str, flag: str) -> str:
+    """An option as the trainer's caller spells it: ``flag`` within :func:`flags_spelled`
+    (``python -m ckptkit.train``, ``ckptkit train``), else ``keyword`` (``train(TrainConfig(...))``)."""
+    return flag if _FLAGS.get() else keyword
+
+
+@contextlib.contextmanager
+def flags_spelled() -> Iterator[None]:
+    """Within this block, the trainer's messages name its flags instead of TrainConfig's fields."""
+    token = _FLAGS.set(True)
+    try:
+        yield
+    finally:
+        _FLAGS.reset(token)
 
 
 # (field, smallest allowed value)

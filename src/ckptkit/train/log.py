@@ -58,10 +58,13 @@ class Logger:
         if self.enabled:
             self._print(f"note: {text}")
 
-    def event(self, name: str, **values: Any) -> None:
+    def event(self, name: str, *, line: str | None = None, **values: Any) -> None:
+        """A record; on stdout ``line``, where given, else ``[name] key=value ...``."""
         if self.enabled:
             self._write({"event": name, **values})
-            if name != "save":
+            if line is not None:
+                self._print(line)
+            elif name != "save":
                 shown = {k: v for k, v in values.items() if k != "config"}
                 self._print(f"[{name}] " + " ".join(f"{k}={v}" for k, v in shown.items()))
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import ckptkit
+from ckptkit.errors import StateDictMismatchError, summarize
 
-from .config import TrainConfig, check, check_environment
+from .config import TrainConfig, check, check_environment, spelled
 from .log import Logger
 from .processes import Env, end_processes, start_processes
 from .schedule import LRSchedule, planned_steps
@@ -41,9 +42,14 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     env = start_processes(cfg)  # 1. processes and devices
     log = Logger(Path(cfg.out) / "metrics.jsonl", enabled=env.master, progress=env.master and sys.stdout.isatty())
     run = _build(cfg, env, model, data)
-    _resume(cfg, env, run, log)
+    resumed = _resume(cfg, env, run)
     log.event("start", world_size=env.world, backend=env.backend, device=str(env.device),
               planned_steps=run.schedule.horizon, config=asdict(cfg))  # fmt: skip
+    if resumed is not None:  # after [start]: the run, then where it continues from, then what to do about it
+        log.event("resumed", **resumed)
+        if run.schedule.horizon <= run.step:
+            log.note(f"this run already finished ({cfg.epochs} epochs, step {run.step}); pass --epochs N with N > {cfg.epochs} "
+                     f"to train on from here, or --out NEW to start another")  # fmt: skip
     log.start_bar(total=run.schedule.horizon, done=run.step)
     stop = ckptkit.StopSignal()  # a signal on any rank: every rank stops at the same step
     saver = ckptkit.AsyncSaver() if cfg.async_save else None
@@ -133,20 +139,37 @@ def _build(cfg: TrainConfig, env: Env, model: Any, data: tuple[Any, Any] | None)
 # -- 3. resume: rank 0 picks the newest intact checkpoint (every CRC checked), every rank loads it ---
 
 
-def _resume(cfg: TrainConfig, env: Env, run: _Run, log: Logger) -> None:
+def _resume(cfg: TrainConfig, env: Env, run: _Run) -> dict[str, Any] | None:
+    """Load the checkpoint ``--resume`` names into ``run``; what the ``resumed`` record says, or None."""
     path = None if cfg.resume == "none" else run.ckpts.latest(full=True) if cfg.resume == "auto" else Path(cfg.resume)
     if path is None:
-        return
-    state = ckptkit.load_training_state(path, model=run.net, optimizer=run.opt, scheduler=run.sched, scaler=run.scaler,
-                                        sampler=run.sampler)  # fmt: skip
+        return None
+    try:
+        state = ckptkit.load_training_state(path, model=run.net, optimizer=run.opt, scheduler=run.sched,
+                                            scaler=run.scaler, sampler=run.sampler)  # fmt: skip
+    except StateDictMismatchError as e:  # another run's checkpoint, or the model changed since
+        raise _not_this_model(cfg, path, e) from e
     run.step, run.epoch, run.last_saved = state.step, state.epoch, state.step
     n = len(run.sampler.dataset)
     run.schedule.horizon = planned_steps(cfg, n, env.world, run.step, run.epoch, run.sampler.position)
-    log.event("resumed", step=run.step, epoch=run.epoch, path=str(path), sample=run.sampler.position,
-              saved_world_size=state.world_size, world_size=env.world)  # fmt: skip
-    if run.schedule.horizon <= run.step:
-        log.note(f"this run already finished ({cfg.epochs} epochs, step {run.step}); pass --epochs N with N > {cfg.epochs} "
-                 f"to train on from here, or --out NEW to start another")  # fmt: skip
+    moved = f"; saved by {state.world_size} process(es), now {env.world}" if state.world_size != env.world else ""
+    return dict(step=run.step, epoch=run.epoch, path=str(path), sample=run.sampler.position, saved_world_size=state.world_size,
+                world_size=env.world, line=f"resumed from step {run.step} (checkpoint {path}){moved}")  # fmt: skip
+
+
+def _not_this_model(cfg: TrainConfig, path: Path, e: StateDictMismatchError) -> StateDictMismatchError:
+    """The mismatch, with where the checkpoint came from and how to start fresh instead."""
+    shapes = [f"{k}: checkpoint {list(a)} vs model {list(b)}" for k, a, b in e.mismatched]
+    parts = [f"{len(e.missing)} missing key(s) ({summarize(e.missing)})"] * bool(e.missing)
+    parts += [f"{len(e.unexpected)} unexpected key(s) ({summarize(e.unexpected)})"] * bool(e.unexpected)
+    parts += [f"{len(shapes)} shape mismatch(es) ({summarize(shapes, 4)})"] * bool(shapes)
+    auto, fresh = spelled("resume='auto'", "--resume auto"), spelled("TrainConfig(resume='none')", "--resume none")
+    came = f", the newest checkpoint in {path.parent}, which {auto} (the default) picked" if cfg.resume == "auto" else ""
+    return StateDictMismatchError(
+        f"cannot resume from {path}{came}: it does not fit this model: {'; '.join(parts)}. It is another run's, or the "
+        f"model changed since: to start fresh, pass {fresh} or {spelled('another out', 'another --out')}; to continue "
+        "it, use the model that saved it",
+        missing=e.missing, unexpected=e.unexpected, mismatched=e.mismatched)  # fmt: skip
 
 
 # -- 4. one epoch: optimizer steps of --accum micro-batches; log, maybe stop, maybe save ------------
