@@ -61,10 +61,15 @@ def load_for_rank(
         The whole checkpoint object (so a training checkpoint's other entries are at hand).
 
     Raises:
-        CheckpointNotFoundError, CheckpointFormatError (damaged, or not a checkpoint),
-        UnsupportedCheckpointError (a TorchScript or torch.export archive), UnsafeCheckpointError,
-        ClassNotFoundError (a trusted pickle's class cannot be imported), DistributedError (a
-        trusted pickle needs a process group), ArgumentError, LayoutError, StateDictMismatchError.
+        CheckpointNotFoundError: ``path`` does not exist.
+        CheckpointFormatError: damaged, or not a checkpoint.
+        UnsupportedCheckpointError: a TorchScript or torch.export archive.
+        UnsafeCheckpointError: the pickle needs globals that were not admitted.
+        ClassNotFoundError: a trusted pickle's class cannot be imported.
+        DistributedError: a trusted pickle needs a process group.
+        ArgumentError: an option that cannot apply.
+        LayoutError: the weights cannot be found in the checkpoint.
+        StateDictMismatchError: the weights do not fit ``model`` (every key listed).
 
     Example:
         >>> ckpt = load_for_rank("ckpt.pt", model=model)  # doctest: +SKIP

@@ -52,10 +52,13 @@ def read_checkpoint(
         mmap: memory-map zip checkpoints instead of reading them into memory.
 
     Raises:
-        CheckpointNotFoundError, CheckpointFormatError (damaged, or not a checkpoint),
-        UnsupportedCheckpointError (a TorchScript or torch.export archive), UnsafeCheckpointError,
-        ClassNotFoundError (a trusted pickle's class cannot be imported), ArgumentError,
-        PartialCheckpointError (one ZeRO-3 rank's file: the message names the folder to give).
+        CheckpointNotFoundError: ``path`` does not exist.
+        CheckpointFormatError: damaged, or not a checkpoint.
+        UnsupportedCheckpointError: a TorchScript or torch.export archive.
+        UnsafeCheckpointError: the pickle needs globals that were not admitted.
+        ClassNotFoundError: a trusted pickle's class cannot be imported.
+        ArgumentError: an option that cannot apply.
+        PartialCheckpointError: one ZeRO-3 rank's file (the message names the folder to give).
 
     Example:
         >>> ckpt = read_checkpoint("fixtures/train_ckpt.pt", map_location="cpu")  # doctest: +SKIP

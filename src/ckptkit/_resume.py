@@ -103,12 +103,18 @@ def load_training_state(
 
     Args:
         path: a file written by :func:`save_training_state`.
-        model, optimizer, scheduler, scaler, sampler: the objects to restore, shaped as when
-            saved (one, a list or a dict of optimizers and schedulers).
+        model: the model to restore (plain, DDP or compiled, whatever was saved).
+        optimizer: the optimizer(s) to restore, shaped as when saved (one, a list or a dict).
+        scheduler: the scheduler(s) to restore, shaped as when saved.
+        scaler: the GradScaler to restore.
+        sampler: the :class:`ResumableDistributedSampler` whose position to restore.
         stateful: the named objects saved with ``stateful=`` (a subset may be restored).
         strict: a model key that does not fit raises (all of them listed at once).
         restore_rng: restore this rank's RNG state last (else call ``state.restore_rng()``).
-        map_location, trust, allow_globals, wrappers: as for :func:`load_for_rank`.
+        map_location: as for :func:`load_for_rank`.
+        trust: as for :func:`load_for_rank`.
+        allow_globals: as for :func:`load_for_rank`.
+        wrappers: as for :func:`load_for_rank`.
 
     Raises:
         ResumeError: the file is not a training state, or does not hold what was passed.
