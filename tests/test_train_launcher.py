@@ -12,26 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from ckptkit.cli import main
 from tests.conftest import ROOT
-
-
-def run(*args: object) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.stdout, result.stderr
-
-
-def cli(cwd: Path, *args: object, timeout: float = 120, **kw: object) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "ckptkit.cli", *(str(a) for a in args)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)  # type: ignore[call-overload]  # fmt: skip
-
-
-def lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
-
+from tests.test_cli_exits import cli, lines, run  # one home for the CLI runners
 
 # -- the trainer's launcher: one line, the right exit code, nothing left ---------------
 
