@@ -129,6 +129,41 @@ def test_a_signal_before_the_first_save_exits_130_in_one_line(tmp_path: Path, wh
     assert not alive, f"workers left running: {alive}"
 
 
+def _listening(port: int) -> bool:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                return True
+    return False
+
+
+@pytest.mark.slow  # a trainer process
+def test_a_worker_blocked_in_the_rendezvous_ends_on_sigterm(tmp_path: Path) -> None:
+    """CI hang: a worker blocked in C++ (the store waiting for a peer that already died) never
+    ran its Python signal handler, so the launcher waited out its shutdown timeout. Rank 0 of a
+    world of 2, alone, blocks there the same way."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "WORLD_SIZE": "2", "RANK": "0",
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "ckptkit.train", "--out", "run", "--device", "cpu"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        while not _listening(port):  # rank 0 hosts the store, then waits in C++ for rank 1
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM and not err and not out
+    assert not list(tmp_path.glob("run/checkpoints/*"))
+
+
 # -- small things ------------------------------------------------------------------------
 
 
