@@ -164,6 +164,7 @@ def test_the_library_never_imports_its_clients(module: str) -> None:
 DEFERRED = {
     "rich": "the CLI and the trainer start, print --help and fail fast without it",
     "numpy": "optional: ckptkit runs without it",
+    "fsspec": "the optional extra ckptkit[s3]: imported only when a URL is given",
 }
 
 

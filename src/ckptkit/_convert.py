@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
-from ._convjob import Job, fast_cast, fast_write
+from ._convjob import Job, convert_remote, fast_cast, fast_write
 from ._convreport import ConvertReport
 from ._pickled import pickled_module_name
 from ._safety import MODULE_WALK, AllowGlobals, unsafe_error
@@ -32,6 +32,7 @@ from .formats.hf.write import check_destination
 from .formats.integrity import check_recorded_crcs
 from .formats.torchpickle import UnsupportedGlobal
 from .io.atomicdir import check_folder_destination
+from .io.remote import is_url
 
 
 def _dcp_flag() -> str:
@@ -110,9 +111,10 @@ def convert_checkpoint(
     dtypes, bits and ties), copied from the ranks' partitions, each byte checked against its CRC-32.
 
     Args:
-        src: torch zip or legacy file, safetensors file, DCP folder, Hugging Face shards (their
+        src: an object's URL (``s3://bucket/key.pt``, staged through a local file), or a torch zip or legacy file, safetensors file, DCP folder, Hugging Face shards (their
             folder or ``*.index.json``), or a DeepSpeed ZeRO folder (holding ``latest``, or ``global_stepN/``).
-        dst: output path; ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
+        dst: output path (or an object's URL, ``s3://bucket/key.pt``: written locally, uploaded
+            whole and read back; folders are not written to URLs); ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
             zip (suffixes in any case). A path ending in ``/``, an existing folder, or any
             ``max_shard_size`` writes a folder of Hugging Face safetensors shards instead, as
             ``huggingface_hub.save_torch_state_dict`` does; it appears complete or not at all.
@@ -157,7 +159,11 @@ def convert_checkpoint(
     Example:
         >>> convert_checkpoint("ddp.pt", "single.pt")  # doctest: +SKIP
         >>> convert_checkpoint("old.pt", "clean.pt", trust=True, sanitize=True, dtype="bf16")  # doctest: +SKIP
+        >>> convert_checkpoint("s3://bucket/ddp.pt", "single.pt")  # doctest: +SKIP
     """
+    if is_url(src) or is_url(dst):  # every option as given (locals() holds only them here), for the local convert
+        options = {k: v for k, v in locals().items() if k not in ("src", "dst")}
+        return convert_remote(src, dst, convert_checkpoint, **options)
     if to not in ("single", "ddp", "keep"):
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     if dtype is not None:

@@ -8,6 +8,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from ._convreport import ConvertReport, other_wrapped_weights, renamed_prefixes, tied_names
 from ._layout import find_model_state, replace_at
 from ._unwrap import without_averaged_count
+from ._write import format_for
 from .errors import ArgumentError, spell, summarize
 from .formats import source as fp
 from .formats.cast import Cast
@@ -30,6 +33,8 @@ from .formats.producers import AVERAGED_COUNTS, averaged_count
 from .formats.safetensors import write_safetensors
 from .formats.zipwrite import write_torch_zip
 from .io.atomic import atomic_write
+from .io.remote import exists, is_url, name_of, staged_read
+from .io.upload import staged_write
 from .prefix import rewrite_prefixes
 
 
@@ -147,3 +152,30 @@ def fast_cast(view: fp.Source | dcps.DcpSource | dss.DsSource, cast: Cast) -> Ca
         return out
 
     return run
+
+
+def convert_remote(src: str | os.PathLike[str], dst: str | os.PathLike[str], convert: Callable[..., ConvertReport], **options: Any) -> ConvertReport:
+    """``convert`` with either end a URL: the source staged in a local file; the output written and
+    checked locally, then uploaded (whole or not at all: a failed upload leaves the previous
+    object) and read back. Folder outputs (Hugging Face shards, DCP) to a URL are refused."""
+    if is_url(dst):
+        url = str(dst)
+        if url.endswith("/") or options.get("max_shard_size") is not None or options.get("format") is not None:
+            raise ArgumentError(
+                f"{url}: ckptkit writes single objects to URLs, not folders (Hugging Face shards, DCP); write the folder "
+                f"to a local path and copy it (e.g. `aws s3 cp --recursive`), or name one object, e.g. {url.rstrip('/')}/model.safetensors"
+            )
+        format_for(name_of(url), default=None)  # an unknown suffix fails before anything is read
+        if os.fspath(src) == url:
+            raise ArgumentError(f"{url} is the source; write the result to another path (SRC is never modified)")
+        if not options.get("force") and exists(url):
+            raise ArgumentError(f"{url} exists; pass {spell('force=True', '--force')} to replace it")
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(staged_read(src)) if is_url(src) else src
+        dest = stack.enter_context(staged_write(dst)) if is_url(dst) else dst
+        report = convert(source, dest, **options)  # the upload runs as the block ends, before the report returns
+    for local, url in ((source, src), (dest, dst)):
+        if is_url(url):
+            report.notes = [n.replace(str(local), str(url)) for n in report.notes]
+    report.source, report.destination = os.fspath(src), os.fspath(dst)
+    return report

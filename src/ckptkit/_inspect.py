@@ -27,6 +27,7 @@ from .formats.deepspeed.files import refuse_rank_file
 from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.hf.index import shard_note
 from .formats.source import checkpoint_bytes
+from .io.remote import is_url, staged_read
 from .prefix import detect_prefixes
 
 
@@ -133,13 +134,19 @@ def inspect_checkpoint(
 
     Torch zip and safetensors files are read without torch (pickle or header only). A file
     whose pickle needs globals outside torch's allowlist (and ``allow_globals``) is described
-    by what it needs (``needs_trust``) unless ``trust`` is given.
+    by what it needs (``needs_trust``) unless ``trust`` is given. A URL (``s3://bucket/key.pt``)
+    is read whole into a local staging file first.
 
     Example:
         >>> s = inspect_checkpoint("fixtures/ddp.pt")  # doctest: +SKIP
         >>> s.prefixes["leading"], len(s.tensors)  # doctest: +SKIP
         (['module.'], 7)
     """
+    if is_url(path):  # the object staged in a local file, described under its URL
+        with staged_read(path) as local:
+            summary = inspect_checkpoint(local, key=key, trust=trust, allow_globals=allow_globals)
+        summary.path, summary.notes = path, [n.replace(str(local), path) for n in summary.notes]
+        return summary
     p = check_exists(path)
     fmt = detect_format(p)
     summary = CheckpointSummary(str(p), fmt, checkpoint_bytes(p, fmt))

@@ -12,6 +12,7 @@ from ._layout import find_model_state
 from ._read import read_checkpoint
 from ._safety import AllowGlobals
 from ._verify import verify_checkpoint
+from .io.remote import is_url, staged_read
 from .prefix import WRAPPER_PREFIXES
 
 
@@ -39,7 +40,8 @@ def load_for_rank(
         path: a torch checkpoint (zip or legacy format), a ``.safetensors`` file, a
             ``torch.distributed.checkpoint`` folder, or a DeepSpeed ZeRO folder (its fp32 weights,
             as ``zero_to_fp32`` rebuilds them; one ZeRO-3 rank's file alone is refused). The last
-            three record no device: they land on this rank's device.
+            three record no device: they land on this rank's device. Or an object's URL
+            (``s3://bucket/key.pt``), read once into a local staging file.
         model: when given, the weights are found in the checkpoint (top level, or under
             ``state_dict``/``model``/``model_state_dict``/``module``...), their wrapper prefixes
             (``module.``, ``_orig_mod.``, nested) adapted to ``model``'s, and loaded. Tied
@@ -75,6 +77,10 @@ def load_for_rank(
         >>> ckpt = load_for_rank("ckpt.pt", model=model)  # doctest: +SKIP
         >>> optimizer.load_state_dict(ckpt["optimizer"])  # doctest: +SKIP
     """
+    if is_url(path):  # staged once, for the check and the load
+        with staged_read(path) as local:
+            return load_for_rank(local, model=model, map_location=map_location, key=key, strict=strict, trust=trust,
+                                 allow_globals=allow_globals, wrappers=wrappers, mmap=mmap, verify=verify)  # fmt: skip
     source = os.fspath(path)
     if verify:
         verify_checkpoint(source).gate(trust=trust, allow_globals=allow_globals)

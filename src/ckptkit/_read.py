@@ -22,6 +22,7 @@ from .formats.deepspeed.files import refuse_rank_file
 from .formats.deepspeed.stream import open_deepspeed
 from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, detect_format
 from .formats.hf.index import check_shard_keys, read_index, shard_note
+from .io.remote import is_url, staged_read
 
 
 def read_checkpoint(
@@ -42,7 +43,8 @@ def read_checkpoint(
     or running anything.
 
     Args:
-        path: the checkpoint.
+        path: the checkpoint; or an object's URL (``s3://bucket/key.pt``, any fsspec URL), staged
+            through a local file that is removed before this returns.
         map_location: as ``torch.load``'s; by default storages saved on any accelerator land on
             this rank's device (``cuda:LOCAL_RANK``, or the CPU without CUDA) and CPU storages stay
             on the CPU. Safetensors files and DCP folders take a device.
@@ -65,6 +67,9 @@ def read_checkpoint(
         >>> sorted(ckpt)  # doctest: +SKIP
         ['best_loss', 'epoch', 'model', 'optimizer', 'scheduler', 'step']
     """
+    if is_url(path):
+        with staged_read(path) as local:
+            return _read(os.fspath(local), map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
     source = os.fspath(path)
     if note := shard_note(Path(source)):  # one shard alone loads as a partial model: say so
         warnings.warn(note, stacklevel=2)

@@ -36,6 +36,7 @@ from .formats.source import NeedsTorch, checkpoint_bytes, open_source
 from .formats.torchpickle import UnsupportedGlobal
 from .formats.torchzip import TorchZip
 from .io.fileio import Progress
+from .io.remote import is_url, renamed, staged_read
 
 
 @dataclass
@@ -107,10 +108,15 @@ def verify_checkpoint(
             pickles, bounds, shard sizes): what picking a checkpoint to resume from needs.
         progress: called as ``progress(bytes_read_now, bytes_total)`` while checksums are read.
 
+    A URL (``s3://bucket/key.pt``) is read once into a local staging file and checked there; a
+    ckptkit-written object's bytes are also held against the CRC-32 recorded at upload.
+
     Example:
         >>> verify_checkpoint("fixtures/ddp.pt").ok  # doctest: +SKIP
         True
     """
+    if is_url(path):
+        return _verify_url(path, full=full, progress=progress)
     report = VerifyReport(os.fspath(path))
     try:
         p = check_exists(path)
@@ -130,6 +136,20 @@ def verify_checkpoint(
         report.checks.append(Check("structure", "integrity", False, str(e)))
         if isinstance(e, UnsupportedCheckpointError):
             report.error = e  # intact, maybe: the gate raises this, not "failed verification"
+    return report
+
+
+def _verify_url(url: str, *, full: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
+    """The local checks on a staged copy, reported under the URL."""
+    try:
+        with staged_read(url) as local:
+            report = verify_checkpoint(local, full=full, progress=progress)
+    except CkptkitError as e:  # no such object, or its bytes differ from what ckptkit uploaded
+        return VerifyReport(url, checks=[Check("format", "integrity", False, str(e))], error=e)
+    report.path = url
+    report.checks = [dataclasses.replace(c, detail=c.detail.replace(str(local), url)) for c in report.checks]
+    report.notes = [n.replace(str(local), url) for n in report.notes]
+    report.error = renamed(report.error, local, url) if report.error is not None else None
     return report
 
 

@@ -20,6 +20,8 @@ from .errors import ArgumentError, CheckpointWriteError, CkptkitError
 from .formats.detect import SAFETENSORS, ZIP, Format
 from .formats.integrity import check_written
 from .io.atomic import atomic_write
+from .io.remote import is_url
+from .io.upload import staged_write
 
 # .tar: torchvision's ImageNet example saves "model_best.pth.tar", a plain torch file.
 SUFFIX_FORMATS: dict[str, Format] = {
@@ -43,7 +45,9 @@ def format_for(path: str | os.PathLike[str], *, default: Format | None = ZIP) ->
 def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write ``obj`` to ``path`` atomically and durably, in the format its suffix names.
 
-    Not a collective: every caller writes (use :func:`save_on_master` under DDP).
+    Not a collective: every caller writes (use :func:`save_on_master` under DDP). A URL
+    (``s3://bucket/key.pt``, any fsspec URL; ``pip install 'ckptkit[s3]'``) is written to a local
+    staging file, checked, uploaded (the object appears whole or not at all) and read back.
     ``.safetensors`` takes a mapping of tensors or an ``nn.Module`` (its state dict; tied
     tensors are stored once and re-tied on load). Any other suffix gets torch's zip format.
 
@@ -55,6 +59,10 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     Example:
         >>> write_checkpoint(model.state_dict(), "model.safetensors")  # doctest: +SKIP
     """
+    if is_url(path):
+        with staged_write(path) as local:
+            write_checkpoint(obj, local)
+        return
     dest = Path(path)
     fmt = format_for(dest)
     with atomic_write(dest, check=lambda tmp: check_written(tmp, fmt, dest=dest)) as f:

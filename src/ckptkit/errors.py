@@ -33,6 +33,7 @@ __all__ = [
     "PartialCheckpointError",
     "ResumeError",
     "StateDictMismatchError",
+    "StorageError",
     "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
     "cli_spelling",
@@ -119,6 +120,11 @@ class StateDictMismatchError(CkptkitError, KeyError):
 
 class CheckpointWriteError(CkptkitError, OSError):
     """Writing a checkpoint failed; the previous file at the path is untouched."""
+
+
+class StorageError(CkptkitError, OSError):
+    """An object store (an ``s3://`` or other fsspec URL) failed a request, or an object changed
+    while it was read; the message names the URL and what to check."""
 
 
 class DistributedError(CkptkitError, RuntimeError):

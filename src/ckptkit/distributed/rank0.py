@@ -9,6 +9,7 @@ from typing import Any
 from .. import errors
 from .._write import write_checkpoint
 from ..errors import CheckpointWriteError, CkptkitError
+from ..io.remote import is_url
 from . import collectives as _dist
 
 
@@ -35,7 +36,8 @@ def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _
     Args:
         obj: what to save: anything ``torch.save`` takes, or for a ``.safetensors`` path a
             mapping of tensors (or a module).
-        path: the destination; its folder must exist.
+        path: the destination; its folder must exist. A URL (``s3://bucket/key.pt``) is staged
+            locally, uploaded and read back before any rank returns.
         timeout: seconds the other ranks wait for rank 0's write at most.
 
     Raises:
@@ -46,10 +48,10 @@ def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _
     Example:
         >>> save_on_master(model.state_dict(), "ckpt/last.pt")  # doctest: +SKIP
     """
-    write_and_agree(obj, Path(path), timeout=timeout, channel="main")
+    write_and_agree(obj, path if is_url(path) else Path(path), timeout=timeout, channel="main")
 
 
-def write_and_agree(obj: Any, dest: Path, *, timeout: float, channel: str) -> None:
+def write_and_agree(obj: Any, dest: Path | str, *, timeout: float, channel: str) -> None:
     """Rank 0 writes; every rank learns the outcome over the control group ``channel``."""
     # The group exists before rank 0 starts writing, so if rank 0 dies mid-write the others
     # see gloo's closed connection at once instead of waiting out a rendezvous timeout.

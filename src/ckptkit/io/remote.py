@@ -1,0 +1,237 @@
+"""Object storage: ``s3://`` (or any fsspec URL) wherever a path goes, staged through a local file.
+
+Object stores have no rename, so a URL is never written in place: the local writers write and
+check a file in a staging folder (``$CKPTKIT_STAGING``, else the system's temp folder), which is
+then uploaded in parts and committed by what the store offers (one PUT, or the completion of a
+multipart upload; any failure aborts the upload instead, so the previous object stays), and read
+back (size and CRC-32) before success is reported. Reading a URL streams it, in ranged GETs, into
+a staging file the local readers open. Memory stays bounded at any size: one part at a time.
+
+fsspec (and s3fs for ``s3://``) is imported only when a URL is given: ``pip install 'ckptkit[s3]'``.
+Errors raised inside a staged block name the URL, not the staging file. Writing: :mod:`.upload`.
+
+Example:
+    >>> is_url("s3://bucket/run/step_1.pt"), is_url("runs/a/step_1.pt")
+    (True, False)
+    >>> with staged_read("s3://bucket/ddp.pt") as local:  # doctest: +SKIP
+    ...     state = read_checkpoint(local)  # the staging file is removed when the block ends
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import (
+    ArgumentError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CkptkitError,
+    StorageError,
+)
+from .fileio import crc32
+
+PART_SIZE = 32 << 20  # one upload part, one ranged GET: what is held in memory (S3's parts are 5 MiB at least)
+
+CRC_KEY = "ckptkit-crc32"  # user metadata on objects ckptkit writes: the CRC-32 a later read is held against
+_SMALL = 1 << 16  # the most a pointer object may hold
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+_INSTALL = "pip install 'ckptkit[s3]'"
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is a URL (``s3://...``) rather than a local path; a Path never is."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
+def name_of(url: str) -> str:
+    """The last part of a URL: ``step_1.pt`` of ``s3://b/run/step_1.pt``."""
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """fsspec's filesystem for ``url`` and the path within it."""
+    try:
+        import fsspec  # deferred: only URLs need it, and it is an optional extra
+    except ImportError:
+        raise ArgumentError(f"{url}: URLs need fsspec (and s3fs for s3://), which is not installed; {_INSTALL}") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:  # fsspec knows the protocol, its package (s3fs) is missing
+        raise ArgumentError(f"{url}: {e}; for s3:// {_INSTALL}") from None
+    except ValueError as e:
+        raise ArgumentError(f"{url}: not a URL fsspec can open ({e}); give a local path or an s3:// URL") from None
+
+
+def _info(fs: Any, key: str, url: str) -> dict[str, Any] | None:
+    """The object's listing (size, ETag), or None where nothing is there."""
+    try:
+        fs.invalidate_cache(key)  # a listing cached before the last write would be stale
+        return fs.info(key)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(f"{url}: the store refused to describe it ({e}); check the URL, credentials and network") from e
+
+
+def exists(url: str) -> bool:
+    """Whether an object is at ``url``."""
+    fs, key = filesystem(url)
+    return _info(fs, key, url) is not None
+
+
+def object_info(fs: Any, key: str, url: str) -> dict[str, Any]:
+    info = _info(fs, key, url)
+    if info is None:
+        raise CheckpointNotFoundError(f"{url}: no such object; check the bucket and key (list them with `aws s3 ls`)", filename=url)
+    if info.get("type") != "file":
+        raise ArgumentError(f"{url} is a prefix (a folder), not an object; ckptkit reads single objects from URLs: "
+                            "copy a folder checkpoint to a local path first")  # fmt: skip
+    return info
+
+
+def _recorded_crc(fs: Any, key: str) -> int | None:
+    """The CRC-32 ckptkit recorded when it wrote the object, if it did (s3fs only)."""
+    try:
+        value = fs.metadata(key).get(CRC_KEY) if "s3" in protocols(fs) else None
+        return int(value, 16) if value else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
+    """CRC-32 of the object's ``size`` bytes, read in ranged GETs of a part each (into ``sink``)."""
+    value = 0
+    for at in range(0, size, PART_SIZE):
+        end = min(at + PART_SIZE, size)
+        try:
+            data = fs.cat_file(key, start=at, end=end)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{url}: the object went away while it was read; read it again", filename=url) from None
+        except OSError as e:
+            raise StorageError(f"{url}: reading bytes {at}-{end} failed ({e}); check the network and read it again") from e
+        if len(data) != end - at:
+            raise StorageError(f"{url}: asked for bytes {at}-{end}, got {len(data)}: the object changed while it was read; read it again")
+        value = crc32(data, value)
+        if sink is not None:
+            sink.write(data)
+    return value
+
+
+def download(url: str, local: Path) -> int:
+    """Copy the object at ``url`` to the new file ``local``; returns its CRC-32.
+
+    Raises:
+        CheckpointNotFoundError: no object at ``url``.
+        CheckpointFormatError: the bytes read differ from the CRC-32 ckptkit recorded on upload.
+        StorageError: the store failed, or the object changed while it was read.
+    """
+    fs, key = filesystem(url)
+    info = object_info(fs, key, url)
+    with open(local, "xb") as f:
+        value = stream(fs, key, url, int(info["size"]), f)
+    after = _info(fs, key, url) or {}
+    if after.get("ETag", after.get("size")) != info.get("ETag", info.get("size")):
+        raise StorageError(f"{url}: the object was replaced while it was read; read it again")
+    recorded = _recorded_crc(fs, key)
+    if recorded is not None and recorded != value:
+        raise CheckpointFormatError(f"{url}: its bytes have CRC-32 {value:08x}, but ckptkit recorded {recorded:08x} when it "
+                                    "wrote them: damaged in the store or on the way; read it again, or restore a copy")  # fmt: skip
+    return value
+
+
+@contextlib.contextmanager
+def staging(url: str) -> Iterator[Path]:
+    """A new staging folder, removed afterwards; yields the file named as the URL's object."""
+    root = os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir()
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="ckptkit-stage-", dir=root))
+    except OSError as e:
+        raise StorageError(f"{url}: cannot make a staging folder in {root} ({e}); set CKPTKIT_STAGING to a writable folder") from e
+    try:
+        yield folder / (name_of(url) or "object")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def renamed(e: CkptkitError, local: Path, url: str) -> CkptkitError:
+    """``e`` (changed in place: its class and attributes kept) naming ``url`` where it named ``local``."""
+    if e.args and isinstance(e.args[0], str):
+        e.args = (e.args[0].replace(str(local), url), *e.args[1:])
+    if getattr(e, "filename", None) == str(local):
+        e.filename = url  # type: ignore[attr-defined]
+    return e
+
+
+@contextlib.contextmanager
+def naming(local: Path, url: str) -> Iterator[None]:
+    """Errors raised inside name ``url`` where they would name the staging file."""
+    try:
+        yield
+    except CkptkitError as e:
+        raise renamed(e, local, url) from e.__cause__
+
+
+@contextlib.contextmanager
+def staged_read(url: str) -> Iterator[Path]:
+    """The object at ``url`` as a local file, for the block's length.
+
+    Raises:
+        CheckpointNotFoundError, StorageError, CheckpointFormatError: as :func:`download`.
+    """
+    with staging(url) as local, naming(local, url):
+        download(url, local)
+        yield local
+
+
+def join(url: str, name: str) -> str:
+    return f"{url.rstrip('/')}/{name}"
+
+
+def list_names(url: str) -> list[str]:
+    """Names of the objects directly under the prefix ``url`` (uncompleted uploads are never listed)."""
+    fs, key = filesystem(url)
+    try:
+        fs.invalidate_cache(key)
+        entries = fs.ls(key, detail=True)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise StorageError(f"{url}: listing it failed ({e}); check the URL, credentials and network") from e
+    return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file"]
+
+
+def delete(url: str) -> None:
+    """Remove the object at ``url`` (nothing there is fine)."""
+    fs, key = filesystem(url)
+    try:
+        fs.rm(key)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise StorageError(f"{url}: deleting it failed ({e}); remove it by hand or check permissions") from e
+
+
+def read_small(url: str) -> bytes | None:
+    """The bytes of a small object (a pointer), or None where there is none."""
+    fs, key = filesystem(url)
+    info = _info(fs, key, url)
+    if info is None or info.get("type") != "file" or int(info["size"]) > _SMALL:
+        return None
+    try:
+        return bytes(fs.cat_file(key))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(f"{url}: reading it failed ({e}); check the network and try again") from e

@@ -1,0 +1,284 @@
+"""s3:// wherever a path goes, against a local S3 server (moto): round trips exact to the bit,
+commits that are one PUT or a completed multipart upload, and failures that leave nothing.
+
+Needs moto and s3fs (``pip install 'ckptkit[s3]' moto``); skipped without them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit.io import remote
+from tests.conftest import ROOT
+from tests.test_cli_exits import lines, run
+
+moto_server = pytest.importorskip("moto.server", reason="moto is not installed: the tests need a local S3 server")
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed: pip install 'ckptkit[s3]'")
+boto3 = pytest.importorskip("boto3", reason="boto3 (moto's dependency) is not installed")
+
+BUCKET = "ckptkit-test"
+ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    # botocore reads AWS_ENDPOINT_URL itself, so the CLI's subprocesses find the server too
+    saved = {k: os.environ.get(k) for k in [*ENV, "AWS_ENDPOINT_URL"]}
+    os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    yield endpoint
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def prefix(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh s3:// prefix; parts of 5 MiB (S3's least) so a 12 MiB tensor takes three parts."""
+    monkeypatch.setattr(remote, "PART_SIZE", 5 << 20)
+    monkeypatch.setenv("CKPTKIT_STAGING", str(tmp_path / "staging"))
+    (tmp_path / "staging").mkdir()
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+def _fs() -> Any:
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    return fs
+
+
+def _client(endpoint: str) -> Any:
+    return boto3.client("s3", endpoint_url=endpoint)
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"module.fc.weight": torch.randn(3 << 20, generator=g), "module.fc.bias": torch.randn(7, generator=g),
+            "module.steps": torch.arange(5)}  # fmt: skip
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _unfinished_uploads(endpoint: str, key_prefix: str) -> list[str]:
+    found = _client(endpoint).list_multipart_uploads(Bucket=BUCKET, Prefix=key_prefix)
+    return [u["Key"] for u in found.get("Uploads", [])]
+
+
+def _key(url: str) -> str:
+    return url.removeprefix(f"s3://{BUCKET}/")
+
+
+# -- round trips ---------------------------------------------------------------------------
+
+
+def test_convert_s3_to_local_and_local_to_s3_is_exact(prefix: str, tmp_path: Path) -> None:
+    state = _state()
+    torch.save(state, tmp_path / "ddp.pt")
+    _fs().put_file(str(tmp_path / "ddp.pt"), f"{prefix}/ddp.pt")  # uploaded by another tool: no ckptkit CRC
+    code, out, err = run("convert", f"{prefix}/ddp.pt", tmp_path / "single.pt")
+    assert code == 0, err
+    single = torch.load(tmp_path / "single.pt", weights_only=True)
+    assert _equal(single, {k.removeprefix("module."): v for k, v in state.items()})
+    code, out, err = run("convert", tmp_path / "single.pt", f"{prefix}/back.pt", "--to", "ddp")
+    assert code == 0, err
+    assert out.startswith(f"{prefix}/back.pt: 3 tensors")
+    info = _fs().info(f"{prefix}/back.pt")
+    assert info["ETag"].endswith('-3"')  # a multipart upload, three 5 MiB parts
+    _fs().get_file(f"{prefix}/back.pt", str(tmp_path / "back.pt"))
+    assert _equal(torch.load(tmp_path / "back.pt", weights_only=True), state)
+    assert not list((tmp_path / "staging").iterdir())  # staging files removed
+    code, _, err = run("convert", tmp_path / "single.pt", f"{prefix}/back.pt")
+    assert code == 2 and lines(err) == [f"ckptkit: error: {prefix}/back.pt exists; pass --force to replace it"]
+
+
+def test_inspect_verify_and_diff_read_urls(prefix: str, tmp_path: Path) -> None:
+    state = _state()
+    ckptkit.save_on_master(state, f"{prefix}/a.pt")
+    ckptkit.save_on_master({k.removeprefix("module."): v for k, v in state.items()}, tmp_path / "b.pt")
+    code, out, err = run("inspect", f"{prefix}/a.pt", "--json")
+    assert code == 0, err
+    assert f'"path": "{prefix}/a.pt"' in out and '"module."' in out
+    code, out, err = run("verify", f"{prefix}/a.pt")
+    assert code == 0, out + err
+    assert ckptkit.verify_checkpoint(f"{prefix}/a.pt").ok
+    assert run("diff", f"{prefix}/a.pt", tmp_path / "b.pt")[0] == 0
+    ckptkit.save_on_master(_state(1), f"{prefix}/c.pt")
+    assert run("diff", f"{prefix}/a.pt", f"{prefix}/c.pt")[0] == 1
+    for command, code_wanted in (("inspect", 1), ("verify", 1), ("diff", 2)):
+        args = [f"{prefix}/missing.pt"] + ([tmp_path / "b.pt"] if command == "diff" else [])
+        code, out, err = run(command, *args)
+        assert code == code_wanted, (command, out, err)
+        assert "Traceback" not in err and f"{prefix}/missing.pt: no such object" in out + err
+    report = ckptkit.verify_checkpoint(f"{prefix}/missing.pt")
+    assert isinstance(report.error, ckptkit.errors.CheckpointNotFoundError) and report.path == f"{prefix}/missing.pt"
+
+
+def test_save_on_master_and_load_for_rank_round_trip(prefix: str, tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    ckptkit.save_on_master({"model": model.state_dict(), "step": 7}, f"{prefix}/ckpt.pt")
+    assert int(_fs().metadata(f"{prefix}/ckpt.pt")[remote.CRC_KEY], 16) == remote.crc32(_fs().cat_file(f"{prefix}/ckpt.pt"))
+    fresh = torch.nn.Linear(4, 3)
+    obj = ckptkit.load_for_rank(f"{prefix}/ckpt.pt", model=fresh, map_location="cpu", verify=True)
+    assert obj["step"] == 7 and _equal(fresh.state_dict(), model.state_dict())
+    with pytest.raises(ckptkit.errors.StateDictMismatchError, match=f"{prefix}/ckpt.pt") as info:
+        ckptkit.load_for_rank(f"{prefix}/ckpt.pt", model=torch.nn.Linear(5, 3))
+    assert "ckptkit-stage" not in str(info.value)
+    assert not list((tmp_path / "staging").iterdir())
+
+
+def test_a_damaged_object_fails_its_recorded_crc(prefix: str, s3_endpoint: str) -> None:
+    url = f"{prefix}/ckpt.pt"
+    ckptkit.save_on_master(_state(), url)
+    data = bytearray(_fs().cat_file(url))
+    data[len(data) // 2] ^= 1
+    meta = _fs().metadata(url)
+    _client(s3_endpoint).put_object(Bucket=BUCKET, Key=_key(url), Body=bytes(data), Metadata=meta)
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=f"{url}: its bytes have CRC-32 .* but ckptkit recorded"):
+        ckptkit.read_checkpoint(url)
+    assert not ckptkit.verify_checkpoint(url).ok
+
+
+def test_checkpoint_folder_on_a_url_commits_points_and_prunes(prefix: str) -> None:
+    folder = ckptkit.CheckpointFolder(f"{prefix}/run", keep=2)
+    for step in (1, 2, 3):
+        path = folder.path_for(step)
+        ckptkit.save_on_master({"w": torch.full((4,), float(step))}, path)
+        folder.commit(path)
+    assert folder.checkpoints() == [f"{prefix}/run/step_000000002.pt", f"{prefix}/run/step_000000003.pt"]
+    assert folder.latest() == f"{prefix}/run/step_000000003.pt"
+    assert _fs().cat_file(f"{prefix}/run/latest") == b"step_000000003.pt\n"
+    assert torch.equal(ckptkit.read_checkpoint(folder.latest(full=True))["w"], torch.full((4,), 3.0))
+    with pytest.raises(ckptkit.errors.CheckpointNotFoundError, match="does not exist"):
+        folder.commit(folder.path_for(9))
+    with pytest.raises(ckptkit.errors.ArgumentError, match="is not in"):
+        folder.commit(f"{prefix}/elsewhere/step_000000004.pt")
+
+
+def test_a_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec now raises ImportError
+    with pytest.raises(ckptkit.errors.ArgumentError, match=r"pip install 'ckptkit\[s3\]'"):
+        ckptkit.read_checkpoint("s3://bucket/ckpt.pt")
+    assert "pip install 'ckptkit[s3]'" in str(ckptkit.verify_checkpoint("s3://bucket/ckpt.pt").error)
+    code, out, err = run("verify", "s3://bucket/ckpt.pt")  # (its table, drawn by rich, drops "[s3]" as markup)
+    assert code == 1 and "URLs need fsspec (and s3fs for s3://), which is not installed" in out and "Traceback" not in out + err
+    code, _, err = run("inspect", "s3://bucket/ckpt.pt")
+    assert code == 2 and len(lines(err)) == 1 and "pip install 'ckptkit[s3]'" in err
+
+
+# -- faults: nothing partial is ever visible -------------------------------------------------
+
+
+def _fail_part(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+    """The upload's part ``at`` fails, as a dropped connection would."""
+    call = s3fs.core.S3File._call_s3
+
+    def failing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "upload_part" and kwargs.get("PartNumber", 0) >= at:
+            raise OSError("injected: connection reset during upload_part")
+        return call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3File, "_call_s3", failing)
+
+
+def test_an_upload_failing_midway_leaves_no_object_and_latest_unchanged(prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = ckptkit.CheckpointFolder(f"{prefix}/run", keep=2)
+    ckptkit.save_on_master(_state(1), folder.path_for(1))
+    folder.commit(folder.path_for(1))
+    _fail_part(monkeypatch, 2)
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=f"cannot write {folder.path_for(2)}: .*injected"):
+        ckptkit.save_on_master(_state(2), folder.path_for(2))
+    assert not _fs().exists(folder.path_for(2))
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []  # aborted, not left open (nor completed)
+    assert folder.checkpoints() == [folder.path_for(1)] and folder.latest() == folder.path_for(1)
+    assert _fs().cat_file(f"{prefix}/run/latest") == b"step_000000001.pt\n"
+
+
+def test_convert_force_with_a_failed_upload_keeps_the_old_object(prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckptkit.save_on_master(_state(1), f"{prefix}/out.pt")
+    before = _fs().cat_file(f"{prefix}/out.pt")
+    torch.save(_state(2), tmp_path / "new.pt")
+    _fail_part(monkeypatch, 2)
+    code, out, err = run("convert", tmp_path / "new.pt", f"{prefix}/out.pt", "--force")
+    assert code == 1 and len(lines(err)) == 1 and "Traceback" not in err
+    assert f"cannot write {prefix}/out.pt" in err and "untouched" in err
+    assert _fs().cat_file(f"{prefix}/out.pt") == before
+
+
+def test_an_upload_never_completed_is_no_checkpoint(prefix: str, s3_endpoint: str) -> None:
+    folder = ckptkit.CheckpointFolder(f"{prefix}/run")
+    ckptkit.save_on_master(_state(1), folder.path_for(1))
+    folder.commit(folder.path_for(1))
+    client, key = _client(s3_endpoint), _key(str(folder.path_for(5)))
+    mpu = client.create_multipart_upload(Bucket=BUCKET, Key=key)
+    client.upload_part(Bucket=BUCKET, Key=key, UploadId=mpu["UploadId"], PartNumber=1, Body=b"\0" * (5 << 20))
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == [key]
+    assert folder.checkpoints() == [folder.path_for(1)]
+    assert folder.latest() == folder.path_for(1)
+    with pytest.raises(ckptkit.errors.CheckpointNotFoundError):
+        folder.commit(folder.path_for(5))
+    assert _fs().cat_file(f"{prefix}/run/latest") == b"step_000000001.pt\n"
+
+
+_KILLED_CHILD = """
+import pathlib, sys, time
+import s3fs, torch
+import ckptkit
+from ckptkit.io import remote
+remote.PART_SIZE = 5 << 20
+ready, url = pathlib.Path(sys.argv[1]), sys.argv[2]
+call = s3fs.core.S3File._call_s3
+def blocking(self, method, *args, **kwargs):
+    if method == "upload_part" and kwargs["PartNumber"] == 2:
+        ready.write_text("part 2")  # part 1 is in the store: the upload is under way
+        time.sleep(600)
+    return call(self, method, *args, **kwargs)
+s3fs.core.S3File._call_s3 = blocking
+ckptkit.save_on_master({"w": torch.ones(3 << 20)}, url)
+"""
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_upload_leaves_nothing(prefix: str, s3_endpoint: str, tmp_path: Path) -> None:
+    folder = ckptkit.CheckpointFolder(f"{prefix}/run")
+    ckptkit.save_on_master(_state(1), folder.path_for(1))
+    folder.commit(folder.path_for(1))
+    ready = tmp_path / "ready"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLED_CHILD), str(ready), str(folder.path_for(2))],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == [_key(str(folder.path_for(2)))]  # killed mid-upload
+    assert not _fs().exists(folder.path_for(2))
+    assert folder.checkpoints() == [folder.path_for(1)] and folder.latest() == folder.path_for(1)
+    assert _fs().cat_file(f"{prefix}/run/latest") == b"step_000000001.pt\n"
