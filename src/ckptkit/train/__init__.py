@@ -5,6 +5,7 @@
     torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 \\
              --nproc_per_node=8 -m ckptkit.train --out /shared/run   # and node_rank=1 on the other
     ckptkit train --nproc 4 --model mypkg.nets:make_model --data mypkg.data:make_datasets
+    sbatch examples/slurm/train.sbatch --out runs/demo   # srun, one task per GPU; requeues before the time limit
 
 From code (under torchrun, or as one plain process):
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         with flags_spelled():
             result = train(parse_args(argv))
     except CkptkitError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # srun's tasks, before they join
             print(f"ckptkit.train: error: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ArgumentError) else 1
     return 0 if result["status"] in ("done", "preempted") else 1

@@ -50,6 +50,9 @@ class TrainConfig:
     sync_bn: bool = _option(False, "convert BatchNorm to SyncBatchNorm (CUDA only)")
     num_workers: int = _option(0, "DataLoader worker processes")
     log_every: int = _option(10, "optimizer steps between log lines")
+    requeue_signal: str = _option("USR1", "in a SLURM job, the signal that saves and requeues it (#SBATCH --signal=B:USR1@90)",
+                                  choices=("USR1", "TERM", "HUP"))  # fmt: skip
+    max_requeues: int = _option(-1, "requeue a SLURM job at most this many times in all (-1: no limit)")
     model: str = _option("", "pkg.module:factory returning your nn.Module", shown="the built-in MLP")
     data: str = _option("", "pkg.module:factory returning (train_dataset, val_dataset)", shown="the built-in task")
 
@@ -75,7 +78,7 @@ def flags_spelled() -> Iterator[None]:
 
 # (field, smallest allowed value)
 _AT_LEAST = {"epochs": 0, "max_steps": 0, "batch_size": 1, "accum": 1, "warmup_steps": 0, "save_every": 0, "keep": 1,
-             "num_workers": 0, "log_every": 1}  # fmt: skip
+             "num_workers": 0, "log_every": 1, "max_requeues": -1}  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):

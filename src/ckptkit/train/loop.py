@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -25,14 +26,17 @@ from .config import TrainConfig, check, check_environment, spelled
 from .log import Logger
 from .processes import Env, end_processes, start_processes
 from .schedule import LRSchedule, planned_steps
+from .slurm import requeue, requeue_signal, term_ignored
 from .task import default_data, default_model, factory, seed_generators
 
 
 def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """Train, checkpointing as configured; returns the final metrics.
 
-    Under torchrun (``WORLD_SIZE`` set) it joins the process group; otherwise it runs as one
-    process. Returns ``{"status": "done" | "preempted", "step", "epoch", "val_acc"}``.
+    Under torchrun (``WORLD_SIZE`` set), or as one of several srun tasks, it joins the process
+    group; otherwise it runs as one process. Stopped by ``--requeue-signal`` in a SLURM job, it
+    saves and rank 0 requeues the job (:mod:`.slurm`). Returns
+    ``{"status": "done" | "preempted", "step", "epoch", "val_acc"}``.
 
     Example:
         >>> train(TrainConfig(out="runs/x", epochs=1), model=my_net, data=(train_set, val_set))  # doctest: +SKIP
@@ -51,7 +55,9 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
             log.note(f"this run already finished ({cfg.epochs} epochs, step {run.step}); pass --epochs N with N > {cfg.epochs} "
                      f"to train on from here, or --out NEW to start another")  # fmt: skip
     log.start_bar(total=run.schedule.horizon, done=run.step)
-    stop = ckptkit.StopSignal()  # a signal on any rank: every rank stops at the same step
+    # A signal on any rank: every rank stops at the same step. The requeue signal too: SLURM sends
+    # it (#SBATCH --signal) before the time limit, and its default action would end the process.
+    stop = ckptkit.StopSignal(tuple(dict.fromkeys((signal.SIGTERM, signal.SIGINT, signal.SIGHUP, requeue_signal(cfg.requeue_signal)))))
     saver = ckptkit.AsyncSaver() if cfg.async_save else None
     run.tick = time.perf_counter()
     val_acc = _evaluate(env, run, log) if run.step == 0 else math.nan  # the untrained baseline
@@ -66,8 +72,16 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
             run.sampler.set_epoch(run.epoch)  # the checkpoint then says "epoch+1, position 0"
             _save(cfg, run, log, saver, "epoch end")
     result = _finish(cfg, env, run, log, stop, saver, status, val_acc)
+    stopped_by = stop.stopped_by
     del run, stop, saver  # DDP holds the process group: free it before the group goes (see end_processes)
     end_processes(env)
+    if status == "preempted" and env.master:  # last: every rank has saved, and a requeue ends the job's processes
+        with term_ignored():  # SLURM's SIGTERM to a requeued job must not cut the line that says so
+            outcome = requeue(stopped_by, signal_name=cfg.requeue_signal, max_requeues=cfg.max_requeues)  # type: ignore[arg-type]
+            if outcome is not None:
+                log.event("requeue", requeued=outcome.requeued, job=outcome.job, requeues=outcome.requeues, message=outcome.line,
+                          line=outcome.line)  # fmt: skip
+    log.close()
     return result
 
 
@@ -281,5 +295,4 @@ def _finish(cfg: TrainConfig, env: Env, run: _Run, log: Logger, stop: Any, saver
     stop.restore()
     # A preempted run's last evaluation is from before the stop: not the model it saved.
     log.event("end", status=status, step=run.step, epoch=run.epoch, **({"val_acc": val_acc} if status == "done" else {}))
-    log.close()
     return {"status": status, "step": run.step, "epoch": run.epoch, "val_acc": val_acc}

@@ -16,6 +16,7 @@ from typing import Any
 import ckptkit
 
 from .config import TrainConfig
+from .slurm import torch_env
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Env:
     Attributes:
         device: the ``torch.device`` this rank trains on.
         backend: the process group's backend, or ``"none"`` for a single process.
-        distributed: True under torchrun (``WORLD_SIZE`` set).
+        distributed: True under torchrun (``WORLD_SIZE`` set) or as one of several srun tasks.
         rank: this process's rank, 0 for a single process.
         world: how many processes train, 1 for a single process.
     """
@@ -43,7 +44,10 @@ class Env:
 
 
 def start_processes(cfg: TrainConfig) -> Env:
-    """Pick this rank's device, join the process group under torchrun, and make the output folder.
+    """Pick this rank's device, join the process group under torchrun or srun, and make the output folder.
+
+    An srun task (no torchrun) gets torchrun's variables from SLURM's first (:func:`.slurm.torch_env`),
+    so everything below, ``ckptkit.device_for_rank`` included, reads one set of names.
 
     Args:
         cfg: the run's configuration (``device``, ``backend``, ``out``).
@@ -54,6 +58,7 @@ def start_processes(cfg: TrainConfig) -> Env:
     import torch
     import torch.distributed as dist
 
+    os.environ.update(torch_env(os.environ))
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     # cuda:LOCAL_RANK, wrapping around when more ranks than GPUs share a node (2 processes on 1 GPU over gloo)
     device = torch.device(ckptkit.device_for_rank(cuda_available=use_cuda) if use_cuda else "cpu")
