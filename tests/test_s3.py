@@ -282,3 +282,41 @@ def test_a_writer_killed_mid_upload_leaves_nothing(prefix: str, s3_endpoint: str
     assert not _fs().exists(folder.path_for(2))
     assert folder.checkpoints() == [folder.path_for(1)] and folder.latest() == folder.path_for(1)
     assert _fs().cat_file(f"{prefix}/run/latest") == b"step_000000001.pt\n"
+
+
+# -- the trainer: checkpoints in the store, the log in a local folder -------------------------
+
+
+def _train(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    cmd = [sys.executable, "-m", "ckptkit.cli", "train", "--nproc", "2", "--data", "tests.train_data:small", "--batch-size", "16",
+           "--save-every", "3", *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow  # three 2-process trainer runs
+def test_the_trainer_saves_to_and_resumes_from_a_url_exactly(prefix: str, tmp_path: Path) -> None:
+    """ckptkit train --out s3://...: checkpoints, latest and model.safetensors in the store; a stopped run
+    resumes from there and ends with the weights of a run that never stopped."""
+    whole = _train(tmp_path, "--out", "whole", "--max-steps", "9")
+    assert whole.returncode == 0, whole.stderr
+    first = _train(tmp_path, "--out", f"{prefix}/run", "--log-dir", "log", "--max-steps", "6")
+    assert first.returncode == 0, first.stderr
+    again = _train(tmp_path, "--out", f"{prefix}/run", "--log-dir", "log", "--max-steps", "9")
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from step 6 (checkpoint {prefix}/run/checkpoints/step_000000006.pt)" in again.stdout
+    assert _fs().cat_file(f"{prefix}/run/checkpoints/latest") == b"step_000000009.pt\n"
+    assert not (tmp_path / "s3:").exists() and (tmp_path / "log" / "metrics.jsonl").is_file()
+    from safetensors.torch import load_file
+
+    with remote.staged_read(f"{prefix}/run/model.safetensors") as local:
+        resumed = load_file(local)
+    assert _equal(resumed, load_file(tmp_path / "whole" / "model.safetensors"))
+
+
+def test_a_url_out_without_a_log_dir_is_one_usage_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run("train", "--out", "s3://bucket/runs/demo")
+    assert code == 2 and lines(err) == ["ckptkit: error: argument --out s3://bucket/runs/demo: an object store cannot append to "
+                                        "metrics.jsonl; also pass a local folder for the log, e.g. --log-dir runs/demo"], err  # fmt: skip
+    assert not list(tmp_path.iterdir())

@@ -24,7 +24,7 @@ from typing import NoReturn
 import click
 
 from ckptkit.errors import ArgumentError
-from ckptkit.train import build_parser, check_environment, parse_args
+from ckptkit.train import TrainConfig, build_parser, check_environment, log_folder, parse_args, run_path
 
 from .base import Stopped, handle_errors, main, signals_deferred
 
@@ -86,10 +86,10 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint] + (["--rdzv-id", rdzv_id] if rdzv_id else [])
     if nnodes == "1" and not (master_addr or rdzv_endpoint):
         launcher.append("--standalone")  # one node: a free port, no address to configure
-    _run_torchrun(launcher, list(trainer_args), Path(cfg.out), shutdown_timeout)
+    _run_torchrun(launcher, list(trainer_args), cfg, shutdown_timeout)
 
 
-def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path, shutdown_timeout: int) -> NoReturn:
+def _run_torchrun(launcher: list[str], trainer_args: list[str], cfg: TrainConfig, shutdown_timeout: int) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -115,11 +115,11 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], out: Path, shutd
             run(parser.parse_args([*launcher, "--module", "ckptkit.train", *trainer_args]))
             code, message = 0, None
         except SignalException as e:
-            code, message = _stopped(signal.Signals(e.sigval).name, out, started)
+            code, message = _stopped(signal.Signals(e.sigval).name, cfg, started)
         except KeyboardInterrupt:
-            code, message = _stopped("SIGINT", out, started)
+            code, message = _stopped("SIGINT", cfg, started)
         except Stopped as e:
-            code, message = _stopped(signal.Signals(e.signum).name, out, started)
+            code, message = _stopped(signal.Signals(e.signum).name, cfg, started)
         except ChildFailedError as e:
             code, message = _failed(e)
     finally:
@@ -142,10 +142,10 @@ def _torchrun_options() -> set[str]:
     return {option for action in get_args_parser()._actions for option in action.option_strings}
 
 
-def _stopped(name: str, out: Path, started: float) -> tuple[int, str]:
-    end = _last_end(out, started)
+def _stopped(name: str, cfg: TrainConfig, started: float) -> tuple[int, str]:
+    end = _last_end(log_folder(cfg), started)
     if end is not None and end.get("status") == "preempted":
-        checkpoint = out / "checkpoints" / f"step_{end['step']:09d}.pt"
+        checkpoint = run_path(cfg, f"checkpoints/step_{end['step']:09d}.pt")
         return 0, f"ckptkit: stopped by {name} at step {end['step']}; saved {checkpoint}; run the same command to resume"
     return 130, f"ckptkit: error: stopped by {name}; nothing was saved (the run had not reached its first save)"
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .._state import build_training_state
+from ..io.remote import as_destination
 from . import collectives as _dist
 from .rank0 import write_and_agree
 
@@ -71,7 +72,7 @@ class AsyncSaver:
         """Like :func:`save_on_master`, returning once ``obj`` is copied. Must be called on all ranks."""
         self.wait()
         staged = self._stage(obj) if _dist.rank() == 0 else None
-        self._start(staged, Path(path), on_done)
+        self._start(staged, as_destination(path), on_done)
 
     def save_training_state(self, path: str | os.PathLike[str], *, on_done: Callable[[], None] | None = None, **state: Any) -> None:
         """Like :func:`save_training_state`, returning once the state is copied. Must be called on all ranks.
@@ -82,7 +83,7 @@ class AsyncSaver:
         self.wait()
         built = build_training_state(timeout=self.timeout, **state)
         staged = self._stage(built) if built is not None else None
-        self._start(staged, Path(path), on_done)
+        self._start(staged, as_destination(path), on_done)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is durable; re-raise its error."""
@@ -106,7 +107,7 @@ class AsyncSaver:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _start(self, staged: Any, path: Path, on_done: Callable[[], None] | None) -> None:
+    def _start(self, staged: Any, path: Path | str, on_done: Callable[[], None] | None) -> None:
         _dist.ensure_channel(self.timeout, _CHANNEL)  # a collective: create the group here, not in the thread
         tagged, self._tagged = self._tagged, []
 

@@ -9,7 +9,7 @@ from typing import Any
 from .. import errors
 from .._write import write_checkpoint
 from ..errors import CheckpointWriteError, CkptkitError
-from ..io.remote import is_url
+from ..io.remote import as_destination
 from . import collectives as _dist
 
 
@@ -48,7 +48,7 @@ def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _
     Example:
         >>> save_on_master(model.state_dict(), "ckpt/last.pt")  # doctest: +SKIP
     """
-    write_and_agree(obj, path if is_url(path) else Path(path), timeout=timeout, channel="main")
+    write_and_agree(obj, as_destination(path), timeout=timeout, channel="main")
 
 
 def write_and_agree(obj: Any, dest: Path | str, *, timeout: float, channel: str) -> None:

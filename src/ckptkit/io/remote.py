@@ -50,6 +50,11 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and _URL.match(path) is not None
 
 
+def as_destination(path: str | os.PathLike[str]) -> Path | str:
+    """``path`` as the writers take it: a URL stays a string, anything else becomes a Path."""
+    return path if is_url(path) else Path(path)  # type: ignore[return-value]
+
+
 def name_of(url: str) -> str:
     """The last part of a URL: ``step_1.pt`` of ``s3://b/run/step_1.pt``."""
     return url.rstrip("/").rsplit("/", 1)[-1]

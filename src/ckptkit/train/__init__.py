@@ -25,12 +25,13 @@ import sys
 
 from ckptkit.errors import ArgumentError, CkptkitError
 
-from .config import TrainConfig, build_parser, check, check_environment, flags_spelled, parse_args
+from .config import TrainConfig, build_parser, check, check_environment, flags_spelled, log_folder, parse_args, run_path
 from .loop import train
 from .task import default_data, default_model
 
 __all__ = [
-    "TrainConfig", "build_parser", "check", "check_environment", "default_data", "default_model", "main", "parse_args",
+    "TrainConfig", "build_parser", "check", "check_environment", "default_data", "default_model", "log_folder", "main",
+    "parse_args", "run_path",
     "train",
 ]  # fmt: skip
 

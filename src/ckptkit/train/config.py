@@ -18,6 +18,7 @@ import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ckptkit.errors import ArgumentError, CheckpointNotFoundError, ClassNotFoundError
@@ -31,7 +32,8 @@ def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, 
 class TrainConfig:
     """Options of the reference trainer; each is also a flag (``max_steps`` is ``--max-steps``)."""
 
-    out: str = _option("runs/ckptkit-demo", "folder for checkpoints/, metrics.jsonl and the final model.safetensors")
+    out: str = _option("runs/ckptkit-demo", "folder (or s3:// URL) for checkpoints/, metrics.jsonl and the final model.safetensors")
+    log_dir: str = _option("", "local folder for metrics.jsonl; needed when OUT is a URL (object stores cannot append)", shown="OUT")
     epochs: int = _option(3, "passes over the training set (a finished run trains on when given more)")
     max_steps: int = _option(0, "stop after this many optimizer steps (0: run all epochs)")
     batch_size: int = _option(64, "samples per process per micro-batch")
@@ -128,6 +130,25 @@ def check(cfg: TrainConfig) -> None:
             raise ArgumentError(f"argument --{name.replace('_', '-')}: must be at least {least}, got {value}")
     if cfg.lr <= 0:
         raise ArgumentError(f"argument --lr: must be positive, got {cfg.lr}")
+    if remote(cfg.out) and not cfg.log_dir:
+        name = cfg.out.rstrip("/").rsplit("/", 1)[-1] or "run"
+        raise ArgumentError(f"argument --out {cfg.out}: an object store cannot append to metrics.jsonl; also pass a local "
+                            f"folder for the log, e.g. --log-dir runs/{name}")  # fmt: skip
+
+
+def remote(path: str) -> bool:
+    """Whether ``path`` is a URL (``s3://bucket/run``), which ckptkit's functions take as a path."""
+    return "://" in path
+
+
+def run_path(cfg: TrainConfig, name: str) -> str:
+    """``name`` inside ``--out``: a path, or a URL that ckptkit's functions take as one."""
+    return f"{cfg.out.rstrip('/')}/{name}" if remote(cfg.out) else os.path.join(cfg.out, name)
+
+
+def log_folder(cfg: TrainConfig) -> Path:
+    """Where ``metrics.jsonl`` goes: ``--log-dir``, else ``--out``."""
+    return Path(cfg.log_dir or cfg.out)
 
 
 def check_environment(cfg: TrainConfig) -> None:
@@ -138,7 +159,7 @@ def check_environment(cfg: TrainConfig) -> None:
         ClassNotFoundError: ``--model``/``--data`` cannot be imported.
         ArgumentError: ``--sync-bn`` or ``--backend nccl`` without CUDA.
     """
-    if cfg.resume not in ("auto", "none") and not os.path.exists(cfg.resume):
+    if cfg.resume not in ("auto", "none") and not remote(cfg.resume) and not os.path.exists(cfg.resume):
         raise CheckpointNotFoundError(f"--resume {cfg.resume}: no such checkpoint (auto picks the newest in --out)", filename=cfg.resume)
     for flag, spec in (("--model", cfg.model), ("--data", cfg.data)):
         if spec:

@@ -22,7 +22,7 @@ from typing import Any
 import ckptkit
 from ckptkit.errors import StateDictMismatchError, summarize
 
-from .config import TrainConfig, check, check_environment, spelled
+from .config import TrainConfig, check, check_environment, log_folder, run_path, spelled
 from .log import Logger
 from .processes import Env, end_processes, start_processes
 from .schedule import LRSchedule, planned_steps
@@ -44,7 +44,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     check(cfg)
     check_environment(cfg)
     env = start_processes(cfg)  # 1. processes and devices
-    log = Logger(Path(cfg.out) / "metrics.jsonl", enabled=env.master, progress=env.master and sys.stdout.isatty())
+    log = Logger(log_folder(cfg) / "metrics.jsonl", enabled=env.master, progress=env.master and sys.stdout.isatty())
     run = _build(cfg, env, model, data)
     resumed = _resume(cfg, env, run)
     log.event("start", world_size=env.world, backend=env.backend, device=str(env.device),
@@ -145,7 +145,7 @@ def _build(cfg: TrainConfig, env: Env, model: Any, data: tuple[Any, Any] | None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
-    ckpts = ckptkit.CheckpointFolder(Path(cfg.out) / "checkpoints", keep=cfg.keep)
+    ckpts = ckptkit.CheckpointFolder(run_path(cfg, "checkpoints"), keep=cfg.keep)
     return _Run(net, opt, sched, schedule, scaler, amp_dtype, sampler, loader, loader_gen, val_loader, ckpts,
                 loss_sum=torch.zeros((), device=env.device))  # fmt: skip
 
@@ -155,7 +155,7 @@ def _build(cfg: TrainConfig, env: Env, model: Any, data: tuple[Any, Any] | None)
 
 def _resume(cfg: TrainConfig, env: Env, run: _Run) -> dict[str, Any] | None:
     """Load the checkpoint ``--resume`` names into ``run``; what the ``resumed`` record says, or None."""
-    path = None if cfg.resume == "none" else run.ckpts.latest(full=True) if cfg.resume == "auto" else Path(cfg.resume)
+    path = None if cfg.resume == "none" else run.ckpts.latest(full=True) if cfg.resume == "auto" else cfg.resume
     if path is None:
         return None
     try:
@@ -171,14 +171,14 @@ def _resume(cfg: TrainConfig, env: Env, run: _Run) -> dict[str, Any] | None:
                 world_size=env.world, line=f"resumed from step {run.step} (checkpoint {path}){moved}")  # fmt: skip
 
 
-def _not_this_model(cfg: TrainConfig, path: Path, e: StateDictMismatchError) -> StateDictMismatchError:
+def _not_this_model(cfg: TrainConfig, path: Path | str, e: StateDictMismatchError) -> StateDictMismatchError:
     """The mismatch, with where the checkpoint came from and how to start fresh instead."""
     shapes = [f"{k}: checkpoint {list(a)} vs model {list(b)}" for k, a, b in e.mismatched]
     parts = [f"{len(e.missing)} missing key(s) ({summarize(e.missing)})"] * bool(e.missing)
     parts += [f"{len(e.unexpected)} unexpected key(s) ({summarize(e.unexpected)})"] * bool(e.unexpected)
     parts += [f"{len(shapes)} shape mismatch(es) ({summarize(shapes, 4)})"] * bool(shapes)
     auto, fresh = spelled("resume='auto'", "--resume auto"), spelled("TrainConfig(resume='none')", "--resume none")
-    came = f", the newest checkpoint in {path.parent}, which {auto} (the default) picked" if cfg.resume == "auto" else ""
+    came = f", the newest checkpoint in {run_path(cfg, 'checkpoints')}, which {auto} (the default) picked" if cfg.resume == "auto" else ""
     return StateDictMismatchError(
         f"cannot resume from {path}{came}: it does not fit this model: {'; '.join(parts)}. It is another run's, or the "
         f"model changed since: to start fresh, pass {fresh} or {spelled('another out', 'another --out')}; to continue "
@@ -291,7 +291,7 @@ def _finish(cfg: TrainConfig, env: Env, run: _Run, log: Logger, stop: Any, saver
     if saver is not None:
         saver.close()
     if status == "done":
-        ckptkit.save_on_master(ckptkit.unwrap_model(run.net).state_dict(), Path(cfg.out) / "model.safetensors")
+        ckptkit.save_on_master(ckptkit.unwrap_model(run.net).state_dict(), run_path(cfg, "model.safetensors"))
     stop.restore()
     # A preempted run's last evaluation is from before the stop: not the model it saved.
     log.event("end", status=status, step=run.step, epoch=run.epoch, **({"val_acc": val_acc} if status == "done" else {}))

@@ -10,12 +10,11 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ckptkit
 
-from .config import TrainConfig
+from .config import TrainConfig, log_folder
 from .slurm import torch_env
 
 
@@ -76,7 +75,7 @@ def start_processes(cfg: TrainConfig) -> Env:
                                 rank=env_rank, world_size=env_world)  # fmt: skip
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if rank == 0:
-        (Path(cfg.out) / "checkpoints").mkdir(parents=True, exist_ok=True)
+        log_folder(cfg).mkdir(parents=True, exist_ok=True)  # checkpoints/: CheckpointFolder's (a URL has no folders)
     return Env(device, backend if distributed else "none", distributed, rank, world)
 
 
