@@ -184,8 +184,9 @@ def test_a_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ckptkit.errors.ArgumentError, match=r"pip install 'ckptkit\[s3\]'"):
         ckptkit.read_checkpoint("s3://bucket/ckpt.pt")
     assert "pip install 'ckptkit[s3]'" in str(ckptkit.verify_checkpoint("s3://bucket/ckpt.pt").error)
-    code, out, err = run("verify", "s3://bucket/ckpt.pt")  # (its table, drawn by rich, drops "[s3]" as markup)
-    assert code == 1 and "URLs need fsspec (and s3fs for s3://), which is not installed" in out and "Traceback" not in out + err
+    code, out, err = run("verify", "s3://bucket/ckpt.pt")  # rich must print "[s3]" as text, not read it as markup
+    assert code == 1 and "URLs need fsspec (and s3fs for s3://), which is not installed; pip install 'ckptkit[s3]'" in out
+    assert "Traceback" not in out + err
     code, _, err = run("inspect", "s3://bucket/ckpt.pt")
     assert code == 2 and len(lines(err)) == 1 and "pip install 'ckptkit[s3]'" in err
 
@@ -320,3 +321,17 @@ def test_a_url_out_without_a_log_dir_is_one_usage_line(tmp_path: Path, monkeypat
     assert code == 2 and lines(err) == ["ckptkit: error: argument --out s3://bucket/runs/demo: an object store cannot append to "
                                         "metrics.jsonl; also pass a local folder for the log, e.g. --log-dir runs/demo"], err  # fmt: skip
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_a_store_without_credentials_is_one_line_naming_them(s3_endpoint: str, tmp_path: Path, command: str) -> None:
+    """botocore's NoCredentialsError is no OSError: it reached the user as a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=s3_endpoint, AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+               PYTHONPATH=str(ROOT / "src"), AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+    args = [command, f"s3://{BUCKET}/x.pt"] + (["out.pt"] if command == "convert" else [])
+    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    said = f"s3://{BUCKET}/x.pt: the store refused to describe it (Unable to locate credentials); check the URL, credentials and network"
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert said in (proc.stdout if command == "verify" else proc.stderr)
+    assert not (tmp_path / "out.pt").exists()

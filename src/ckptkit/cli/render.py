@@ -163,8 +163,10 @@ def render_diff(r: Any) -> None:
 
 
 def render_verify(r: Any) -> None:
+    from rich.markup import escape  # a detail is text: "pip install 'ckptkit[s3]'" must keep its [s3]
+
     out = _stdout()
     for c in r.checks:
         mark = "[green]ok  [/]" if c.ok else "[red]FAIL[/]"
-        out.print(f"{mark} {c.name}" + (f": {c.detail}" if c.detail else ""))
-    out.print(f"{r.path}: {'[green]verified[/]' if r.ok else '[red]problems found[/]'}")
+        out.print(f"{mark} {escape(c.name)}" + (f": {escape(c.detail)}" if c.detail else ""))
+    out.print(f"{escape(str(r.path))}: {'[green]verified[/]' if r.ok else '[red]problems found[/]'}")

@@ -81,7 +81,7 @@ def _info(fs: Any, key: str, url: str) -> dict[str, Any] | None:
         return fs.info(key)
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise StorageError(f"{url}: the store refused to describe it ({e}); check the URL, credentials and network") from e
 
 
@@ -106,7 +106,7 @@ def _recorded_crc(fs: Any, key: str) -> int | None:
     try:
         value = fs.metadata(key).get(CRC_KEY) if "s3" in protocols(fs) else None
         return int(value, 16) if value else None
-    except (OSError, ValueError, AttributeError):
+    except Exception:  # noqa: BLE001 - no recorded CRC is no check, not a failure
         return None
 
 
@@ -124,7 +124,7 @@ def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
             data = fs.cat_file(key, start=at, end=end)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{url}: the object went away while it was read; read it again", filename=url) from None
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
             raise StorageError(f"{url}: reading bytes {at}-{end} failed ({e}); check the network and read it again") from e
         if len(data) != end - at:
             raise StorageError(f"{url}: asked for bytes {at}-{end}, got {len(data)}: the object changed while it was read; read it again")
@@ -212,7 +212,7 @@ def list_names(url: str) -> list[str]:
         entries = fs.ls(key, detail=True)
     except FileNotFoundError:
         return []
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise StorageError(f"{url}: listing it failed ({e}); check the URL, credentials and network") from e
     return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file"]
 
@@ -224,7 +224,7 @@ def delete(url: str) -> None:
         fs.rm(key)
     except FileNotFoundError:
         pass
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise StorageError(f"{url}: deleting it failed ({e}); remove it by hand or check permissions") from e
 
 
@@ -238,5 +238,5 @@ def read_small(url: str) -> bytes | None:
         return bytes(fs.cat_file(key))
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise StorageError(f"{url}: reading it failed ({e}); check the network and try again") from e

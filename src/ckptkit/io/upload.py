@@ -66,7 +66,7 @@ def upload_verified(local: Path, url: str) -> None:
     untouched = f"the previous object at {url}, if any, is untouched"
     try:
         out = fs.open(key, "wb", block_size=part, **extra)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise CheckpointWriteError(f"cannot write {url}: {e}; {untouched}; check the bucket, credentials and network") from e
     try:
         sent = 0
@@ -125,6 +125,6 @@ def write_small(url: str, data: bytes) -> None:
     fs, key = filesystem(url)
     try:
         fs.pipe_file(key, data)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise CheckpointWriteError(f"cannot write {url}: {e}; the previous object, if any, is untouched") from e
     check_object(url, size=len(data), crc=crc32(data))
