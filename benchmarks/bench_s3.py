@@ -16,6 +16,7 @@ Needs ``pip install 'ckptkit[s3]' moto``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import socket
@@ -47,6 +48,7 @@ def start_server() -> tuple[object, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's access log: one line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     return server, f"http://127.0.0.1:{port}"

@@ -285,3 +285,8 @@ def test_the_time_limit_signal_requeues_before_the_limit(slurm: SlurmCluster, tm
     ends = [(r["status"], r["step"]) for r in found if r.get("event") == "end"]
     assert ends == [("preempted", next(r["step"] for r in found if r.get("event") == "resumed"))]
     assert slurm.wait_until_done(job) == "CANCELLED" and slurm.job(job)["Restarts"] == "1"
+
+
+def test_the_readme_shows_the_sbatch_file_as_it_is() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "```bash\n" + (ROOT / "examples" / "slurm" / "train.sbatch").read_text() + "```" in readme
