@@ -110,7 +110,7 @@ def test_no_import_cycles() -> None:
 LAYERS: dict[str, int] = {
     "ckptkit.errors": 0, "ckptkit.io": 0, "ckptkit.formats": 0,
     "ckptkit.distributed": 1, "ckptkit._read": 1, "ckptkit._torchload": 1, "ckptkit._dcpread": 1, "ckptkit._dcpwrite": 1, "ckptkit._write": 1,
-    "ckptkit._verify": 1, "ckptkit._state": 1, "ckptkit._fit": 1, "ckptkit.prefix": 1, "ckptkit._wrapperkeys": 1, "ckptkit._layout": 1,
+    "ckptkit._verify": 1, "ckptkit._verifydcp": 1, "ckptkit._state": 1, "ckptkit._fit": 1, "ckptkit.prefix": 1, "ckptkit._wrapperkeys": 1, "ckptkit._layout": 1,
     "ckptkit._rng": 1, "ckptkit._sampler": 1, "ckptkit._safety": 1, "ckptkit._devices": 1, "ckptkit._sttorch": 1,
     "ckptkit._unwrap": 1, "ckptkit._resume": 1, "ckptkit._torchsave": 1, "ckptkit._hfsave": 1, "ckptkit._convreport": 1, "ckptkit._pickled": 1, "ckptkit._inspectload": 1,
     "ckptkit._sanitize": 1, "ckptkit._torchcast": 1,

@@ -33,7 +33,7 @@ from .formats.producers import AVERAGED_COUNTS, averaged_count
 from .formats.safetensors import write_safetensors
 from .formats.zipwrite import write_torch_zip
 from .io.atomic import atomic_write
-from .io.remote import exists, is_url, name_of, staged_read
+from .io.remote import exists, is_url, name_of, staged_read, unstaged
 from .io.upload import staged_write
 from .prefix import rewrite_prefixes
 
@@ -176,6 +176,6 @@ def convert_remote(src: str | os.PathLike[str], dst: str | os.PathLike[str], con
         report = convert(source, dest, **options)  # the upload runs as the block ends, before the report returns
     for local, url in ((source, src), (dest, dst)):
         if is_url(url):
-            report.notes = [n.replace(str(local), str(url)) for n in report.notes]
+            report.notes = [unstaged(n, Path(local), str(url)) for n in report.notes]
     report.source, report.destination = os.fspath(src), os.fspath(dst)
     return report

@@ -27,7 +27,7 @@ from .formats.deepspeed.files import refuse_rank_file
 from .formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.hf.index import shard_note
 from .formats.source import checkpoint_bytes
-from .io.remote import is_url, staged_read
+from .io.remote import is_url, staged_read, unstaged
 from .prefix import detect_prefixes
 
 
@@ -145,7 +145,7 @@ def inspect_checkpoint(
     if is_url(path):  # the object staged in a local file, described under its URL
         with staged_read(path) as local:
             summary = inspect_checkpoint(local, key=key, trust=trust, allow_globals=allow_globals)
-        summary.path, summary.notes = path, [n.replace(str(local), path) for n in summary.notes]
+        summary.path, summary.notes = path, [unstaged(n, local, path) for n in summary.notes]
         return summary
     p = check_exists(path)
     fmt = detect_format(p)

@@ -8,35 +8,29 @@ torch loads only files whose globals all passed torch's weights-only allowlist.
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._safety import AllowGlobals, filter_unsafe, global_name, needed_globals, needs_text, resolve_globals, unsafe_error
+from ._safety import AllowGlobals, global_name, needed_globals, needs_text, resolve_globals, unsafe_error
+from ._verifydcp import dcp_checks
 from .errors import (
-    PARSE_ERRORS,
     CheckpointFormatError,
     CkptkitError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
-    summarize,
 )
-from .formats.dcp import unsafe_metadata_globals
-from .formats.dcp.stream import chunk_crc_check, open_dcp
 from .formats.deepspeed import zero_checks
 from .formats.detect import DCP, DEEPSPEED, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
 from .formats.hf.index import read_index, shard_note
 from .formats.integrity import Check, safetensors_checks, zip_checks
-from .formats.scan import pickle_globals
 from .formats.source import NeedsTorch, checkpoint_bytes, open_source
 from .formats.torchpickle import UnsupportedGlobal
 from .formats.torchzip import TorchZip
 from .io.fileio import Progress
-from .io.remote import is_url, renamed, staged_read
+from .io.remote import is_url, renamed, staged_read, unstaged
 
 
 @dataclass
@@ -126,7 +120,7 @@ def verify_checkpoint(
         report.checks.append(Check("format", "integrity", False, str(e)))
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
-    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: _dcp, HF: _hf, DEEPSPEED: _deepspeed}[report.format]
+    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: dcp_checks, HF: _hf, DEEPSPEED: _deepspeed}[report.format]
     total = checkpoint_bytes(p, report.format)
     report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
@@ -147,8 +141,8 @@ def _verify_url(url: str, *, full: bool, progress: Callable[[int, int], None] | 
     except CkptkitError as e:  # no such object, or its bytes differ from what ckptkit uploaded
         return VerifyReport(url, checks=[Check("format", "integrity", False, str(e))], error=e)
     report.path = url
-    report.checks = [dataclasses.replace(c, detail=c.detail.replace(str(local), url)) for c in report.checks]
-    report.notes = [n.replace(str(local), url) for n in report.notes]
+    report.checks = [dataclasses.replace(c, detail=unstaged(c.detail, local, url)) for c in report.checks]
+    report.notes = [unstaged(n, local, url) for n in report.notes]
     report.error = renamed(report.error, local, url) if report.error is not None else None
     return report
 
@@ -199,84 +193,8 @@ def _legacy(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     return checks
 
 
-def _dcp(p: Path, full: bool, progress: Progress | None) -> list[Check]:
-    unsafe = unsafe_metadata_globals(p)
-    detail = f".metadata {needs_text(unsafe, beyond='DCP')}" if unsafe else "DCP metadata classes only"
-    checks = [Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))]
-    if unsafe:
-        return checks
-    try:  # ckptkit's own reader first: what it refuses (a planner_data index of 10**14), torch's must not see
-        src = open_dcp(p)
-    except CheckpointFormatError as e:
-        return [*checks, Check("metadata", "integrity", False, str(e))]
-    except (NeedsTorch, UnsupportedGlobal):
-        pass  # laid out beyond the torch-free reader: torch's reader checks it below
-    else:
-        try:
-            checks += [chunk_crc_check(src, progress)] if full else []
-        finally:
-            src.close()
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        meta = FileSystemReader(str(p)).read_metadata()
-    except Exception as e:  # .metadata passed the allowlist; anything else is damage
-        return [*checks, Check("metadata", "integrity", False, f"{type(e).__name__}: {e}")]
-    try:
-        checks.append(Check("metadata", "integrity", True, f"{len(meta.state_dict_metadata)} entries"))
-        return checks + _dcp_entries(p, meta) + [_dcp_shards(p, meta)]
-    except PARSE_ERRORS as e:  # DCP's own classes holding the wrong things: a damaged .metadata
-        return [*checks, Check("metadata", "integrity", False, f".metadata is malformed ({type(e).__name__}: {e})")]
-
-
 def _deepspeed(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     return zero_checks(p, full=full, progress=progress)
-
-
-def _dcp_shards(p: Path, meta: Any) -> Check:
-    problems, sizes = [], {}
-    for index, info in (meta.storage_data or {}).items():
-        shard = p / info.relative_path
-        if shard not in sizes:
-            sizes[shard] = shard.stat().st_size if shard.is_file() else -1
-        if sizes[shard] < 0:
-            problems.append(f"{info.relative_path} missing ({index.fqn})")
-        elif info.offset + info.length > sizes[shard]:
-            problems.append(f"{index.fqn}: bytes {info.offset}+{info.length} past the end of {info.relative_path}")
-    detail = summarize(sorted(set(problems)), 3) if problems else f"{len(sizes)} shard file(s)"
-    return Check("shards present and long enough", "integrity", not problems, detail)
-
-
-def _dcp_entries(p: Path, meta: Any) -> list[Check]:
-    """Non-tensor DCP entries are torch.save'd pickles inside the shards: list their globals."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    unsafe: dict[str, list[str]] = {}
-    unreadable: list[str] = []
-    for index, info in (meta.storage_data or {}).items():
-        if not isinstance(meta.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        shard = p / info.relative_path
-        if not shard.is_file():
-            continue  # reported by the shard check
-        with open(shard, "rb") as f:
-            f.seek(info.offset)
-            blob = f.read(min(info.length, max(0, shard.stat().st_size - info.offset)))
-        try:
-            with zipfile.ZipFile(io.BytesIO(blob)) as zf:
-                names = [g for n in zf.namelist() if n.endswith("data.pkl") for g in pickle_globals(zf.read(n))]
-        except (CkptkitError, *PARSE_ERRORS):  # type: ignore[misc]
-            unreadable.append(index.fqn)
-            continue
-        bad = filter_unsafe(names)
-        if bad:
-            unsafe[index.fqn] = bad
-    needs = tuple(dict.fromkeys(g for gs in unsafe.values() for g in gs))
-    detail = f"{summarize(list(unsafe), 3)}: {needs_text(needs)}" if unsafe else "weights-only globals"
-    checks = [Check("non-tensor entries safe to load", "safety", not unsafe, detail, needs)]
-    if unreadable:
-        checks.append(Check("non-tensor entries readable", "integrity", False, f"damaged pickles: {summarize(unreadable)}"))
-    return checks
 
 
 def _hf(p: Path, full: bool, progress: Progress | None) -> list[Check]:

@@ -170,10 +170,15 @@ def staging(url: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def unstaged(text: str, local: Path, url: str) -> str:
+    """``text`` naming ``url`` where it named the staging file ``local``."""
+    return text.replace(str(local), url)
+
+
 def renamed(e: CkptkitError, local: Path, url: str) -> CkptkitError:
     """``e`` (changed in place: its class and attributes kept) naming ``url`` where it named ``local``."""
     if e.args and isinstance(e.args[0], str):
-        e.args = (e.args[0].replace(str(local), url), *e.args[1:])
+        e.args = (unstaged(e.args[0], local, url), *e.args[1:])
     if getattr(e, "filename", None) == str(local):
         e.filename = url  # type: ignore[attr-defined]
     return e
