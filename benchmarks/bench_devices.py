@@ -44,8 +44,9 @@ from benchmarks.bench_save import fsync_tree, make_model, read_all  # noqa: E402
 @contextlib.contextmanager
 def off(device: str) -> Iterator[None]:
     """``device`` switched off for the block."""
-    from ckptkit.formats import safetensors, zipwrite
     from ckptkit.formats.dcp import stream
+    from ckptkit.formats.safetensors import codec as safetensors
+    from ckptkit.formats.torchzip import writer as zipwrite
 
     saved: list[tuple[object, str, object]] = []
 

@@ -305,7 +305,7 @@ def test_latest_full_skips_a_checkpoint_with_a_flipped_bit(tmp_path: Path) -> No
         ckptkit.save_on_master({"w": torch.full((64,), float(step))}, folder.path_for(step))
         folder.commit(folder.path_for(step))
     data = bytearray(folder.path_for(2).read_bytes())
-    from ckptkit.formats.torchzip import TorchZip
+    from ckptkit.formats.torchzip.container import TorchZip
 
     with TorchZip(folder.path_for(2)) as z:
         data[z.storage("0").data_offset + 3] ^= 0x01

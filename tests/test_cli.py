@@ -14,9 +14,9 @@ import torch.nn as nn
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit._layout import find_model_state
 from ckptkit.cli import main
 from ckptkit.io.atomic import TMP_SUFFIX
+from ckptkit.model.layout import find_model_state
 from fixtures.models import TiedLM, TinyNet
 from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import run_torch_free
@@ -236,7 +236,7 @@ def test_diff_tolerance(tmp_path: Path) -> None:
 
 def test_verify_detects_a_flipped_payload_bit(fixtures_dir: Path, tmp_path: Path) -> None:
     data = bytearray((fixtures_dir / "ddp.pt").read_bytes())
-    from ckptkit.formats.torchzip import TorchZip
+    from ckptkit.formats.torchzip.container import TorchZip
 
     z = TorchZip(fixtures_dir / "ddp.pt")
     rec = z.storage("0")
@@ -325,7 +325,7 @@ def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, m
     DST as it was."""
     from safetensors.torch import save_file
 
-    import ckptkit._convjob as fp
+    import ckptkit.ops.convert_job as fp
 
     save_file({"teacher.w": torch.arange(1000.0), "student.w": torch.arange(1010.0)}, tmp_path / "both.safetensors")
     dst = tmp_path / "s.safetensors"
@@ -345,7 +345,7 @@ def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, m
 
 
 def test_a_save_that_fails_its_own_check_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptkit._sttorch as sttorch
+    import ckptkit.formats.safetensors.torch as sttorch
 
     dst = tmp_path / "m.safetensors"
     ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
@@ -359,7 +359,7 @@ def test_a_save_that_fails_its_own_check_keeps_the_old_file(tmp_path: Path, monk
 
 def test_a_torch_zip_whose_pickle_was_damaged_in_writing_is_never_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check reads data.pkl's CRC-32 whatever the stand-ins make of the pickle."""
-    import ckptkit._write as write
+    import ckptkit.ops.write as write
 
     real = write.write_to
 

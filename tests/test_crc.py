@@ -24,9 +24,9 @@ from click.testing import CliRunner
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.formats import torchpickle as lp
-from ckptkit.formats.safetensors import read_header
-from ckptkit.formats.torchzip import TorchZip
+from ckptkit.formats.pickles import reader as lp
+from ckptkit.formats.safetensors.codec import read_header
+from ckptkit.formats.torchzip.container import TorchZip
 from ckptkit.io import crcmath, fileio
 from ckptkit.io.atomic import TMP_SUFFIX
 

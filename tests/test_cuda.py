@@ -38,8 +38,8 @@ def _cpu(obj: object) -> object:
 
 def _locations(path: Path) -> set[str]:
     """The device tags of a torch zip's storages, read without loading it."""
-    from ckptkit.formats import torchpickle
-    from ckptkit.formats.torchzip import TorchZip
+    from ckptkit.formats.pickles import reader as torchpickle
+    from ckptkit.formats.torchzip.container import TorchZip
 
     with TorchZip(path) as z:
         tags: set[str] = set()

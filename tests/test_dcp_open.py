@@ -24,13 +24,13 @@ import torch
 
 from ckptkit import convert_checkpoint, read_checkpoint
 from ckptkit.errors import CheckpointFormatError
-from ckptkit.formats import torchpickle
 from ckptkit.formats.dcp import stream as dcpstream
 from ckptkit.formats.dcp.meta import read_metadata
 from ckptkit.formats.dcp.stream import DcpTensor, open_dcp
+from ckptkit.formats.pickles import reader as torchpickle
 from ckptkit.formats.source import NeedsTorch
-from ckptkit.formats.torchzip import SliceReader, TorchZip
-from ckptkit.formats.zipcheck import CENTRAL, read_directory
+from ckptkit.formats.torchzip.container import SliceReader, TorchZip
+from ckptkit.formats.torchzip.directory import CENTRAL, read_directory
 from ckptkit.io.fileio import crc32
 from tests.torchcompat import SAVE_ALONE
 

@@ -27,8 +27,8 @@ from ckptkit.formats.deepspeed.rebuild import to_float32
 from ckptkit.formats.deepspeed.stream import open_deepspeed
 from ckptkit.formats.detect import DEEPSPEED, detect_format
 from ckptkit.formats.entry import Bytes
-from ckptkit.formats.torchdump import new_tensor
-from ckptkit.formats.zipwrite import write_torch_zip
+from ckptkit.formats.pickles.dump import new_tensor
+from ckptkit.formats.torchzip.writer import write_torch_zip
 from ckptkit.io.atomic import TMP_SUFFIX
 from tests.torchfree import run_torch_free
 

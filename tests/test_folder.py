@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit._rng import capture_rng_state, restore_rng_state
 from ckptkit.io.atomic import TMP_SUFFIX
+from ckptkit.training.rng import capture_rng_state, restore_rng_state
 from fixtures.models import TiedLM, TinyNet
 
 

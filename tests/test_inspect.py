@@ -8,8 +8,8 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit._layout import find_model_state
 from ckptkit.cli import main
+from ckptkit.model.layout import find_model_state
 
 
 def run(*args: object) -> tuple[int, str, str]:

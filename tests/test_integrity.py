@@ -54,7 +54,7 @@ def test_foreign_safetensors_says_it_has_no_checksums(fixtures_dir: Path) -> Non
 def test_load_for_rank_verify_catches_a_zip_payload_flip(fixtures_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "flipped.pt"
     path.write_bytes((fixtures_dir / "ddp.pt").read_bytes())
-    from ckptkit.formats.torchzip import TorchZip
+    from ckptkit.formats.torchzip.container import TorchZip
 
     rec = TorchZip(path).storage("0")
     data = bytearray(path.read_bytes())

@@ -99,7 +99,7 @@ def test_unknown_prefix_key_names_the_prefixes_there() -> None:
     ],
 )
 def test_fitting_prefixes(state: dict[str, tuple[int, ...]], fits: list[str]) -> None:
-    from ckptkit._fit import fitting_prefixes
+    from ckptkit.model.fit import fitting_prefixes
 
     sd = {k: torch.zeros(s) for k, s in state.items()}
     assert fitting_prefixes(sd, {"w": torch.zeros(2, 3), "b": torch.zeros(3)}) == fits

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import ckptkit
-from ckptkit._layout import find_model_state
+from ckptkit.model.layout import find_model_state
 from fixtures.models import TiedLM, TinyNet
 
 

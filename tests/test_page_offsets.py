@@ -21,9 +21,9 @@ from safetensors.torch import load_file, save_file
 
 import ckptkit
 from ckptkit.formats.detect import SAFETENSORS, ZIP
-from ckptkit.formats.safetensors import read_header, write_safetensors
+from ckptkit.formats.safetensors.codec import read_header, write_safetensors
 from ckptkit.formats.source import open_source
-from ckptkit.formats.torchzip import TorchZip
+from ckptkit.formats.torchzip.container import TorchZip
 
 PAGE = 4096
 LONG = 1 << 20  # fileio.PAGE_FROM: shorter copies keep torch's 64-byte alignment only

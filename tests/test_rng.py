@@ -6,7 +6,7 @@ import random
 import numpy as np
 import torch
 
-from ckptkit._rng import capture_rng_state, restore_rng_state
+from ckptkit.training.rng import capture_rng_state, restore_rng_state
 
 
 def draws() -> tuple:

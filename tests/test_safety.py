@@ -26,9 +26,9 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit._layout import find_model_state
 from ckptkit.cli import main
 from ckptkit.errors import CkptkitError, UnsafeCheckpointError
+from ckptkit.model.layout import find_model_state
 from fixtures.models import TinyNet
 
 
@@ -188,8 +188,8 @@ def test_verify_advice_admits_the_load(tmp_path: Path, name: str) -> None:
 def test_names_come_from_loading_not_only_from_the_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A static scan that misses globals (as it once missed numpy.dtypes classes, as torch's own
     get_unsafe_globals_in_checkpoint still does) no longer makes advice that fails when followed."""
-    import ckptkit._safety as safety
-    from ckptkit.formats.scan import checkpoint_globals
+    import ckptkit.ops.safety as safety
+    from ckptkit.formats.pickles.scan import checkpoint_globals
 
     path = _save(tmp_path, "mmengine")
     full = safety.needed_globals(path).names
@@ -237,7 +237,7 @@ def test_advice_that_cannot_work_is_not_given(tmp_path: Path) -> None:
 def test_torch_reason_is_never_empty() -> None:
     """torch puts some reasons on the lines after "WeightsUnpickler error:"; reading only that line
     once made "torch cannot load this checkpoint...:" end in nothing."""
-    from ckptkit._safety import torch_reason
+    from ckptkit.ops.safety import torch_reason
 
     e = __import__("pickle").UnpicklingError("Weights only load failed. Please file an issue: WeightsUnpickler error: \n\nUnsupported operand 149")
     assert torch_reason(e) == "Unsupported operand 149"

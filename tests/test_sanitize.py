@@ -22,8 +22,8 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
-from ckptkit._convreport import ConvertReport
 from ckptkit.cli import main
+from ckptkit.ops.reports import ConvertReport
 
 
 @dataclass

@@ -140,9 +140,9 @@ def test_safetensors_dtypes(tmp_path: Path, dtype: torch.dtype) -> None:
 def test_async_staging_records_the_device_the_tensors_came_from(tmp_path: Path) -> None:
     """A staged host copy of a GPU tensor is saved with the GPU's tag, as a sync save would be
     (tests/test_cuda.py checks the whole path on a GPU; this checks the tagging on any machine)."""
-    from ckptkit.distributed.async_save import _STAGED_TAGS, _tag_as
-    from ckptkit.formats import torchpickle
-    from ckptkit.formats.torchzip import TorchZip
+    from ckptkit.formats.pickles import reader as torchpickle
+    from ckptkit.formats.torchzip.container import TorchZip
+    from ckptkit.ops.async_save import _STAGED_TAGS, _tag_as
 
     def tags(path: Path) -> set[str]:
         found: set[str] = set()
@@ -164,9 +164,9 @@ def test_async_staging_records_the_device_the_tensors_came_from(tmp_path: Path) 
 def test_a_staged_zero_size_copy_tags_no_other_zero_size_storage(tmp_path: Path) -> None:
     """Every zero-size storage has data_ptr 0: tags keyed by it tagged them all (issue 24, defect 4;
     tests/test_cuda.py has the whole path, an async save of a zero-size CUDA tensor)."""
-    from ckptkit.distributed.async_save import _STAGED_TAGS, _tag_as
-    from ckptkit.formats import torchpickle
-    from ckptkit.formats.torchzip import TorchZip
+    from ckptkit.formats.pickles import reader as torchpickle
+    from ckptkit.formats.torchzip.container import TorchZip
+    from ckptkit.ops.async_save import _STAGED_TAGS, _tag_as
 
     staged, other = torch.empty(0), torch.empty(0)
     key = _tag_as(staged.untyped_storage(), "cuda:0")
@@ -186,7 +186,7 @@ def test_staged_tags_pickle_as_torchs_own_cuda_tags_do(tmp_path: Path) -> None:
     own CUDA tagger builds a new string at each call, emulated here."""
     from unittest import mock
 
-    from ckptkit.distributed.async_save import _STAGED_TAGS, _tag_as
+    from ckptkit.ops.async_save import _STAGED_TAGS, _tag_as
 
     base = torch.arange(8.0)
     tied = {"embed": base, "head": base, "part": base[2:5]}  # three references to one storage

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.formats import zipwrite
+from ckptkit.formats.torchzip import writer as zipwrite
 from ckptkit.io import fileio
 
 DTYPES = [d for d in (
@@ -84,7 +84,7 @@ def test_without_the_fast_crc_the_file_is_the_same(tmp_path: Path, monkeypatch: 
 
 
 def test_torch_save_is_the_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptkit._torchsave as ts
+    import ckptkit.formats.torchzip.torch as ts
 
     def unknown_torch(*args: object, **kwargs: object) -> None:
         raise ts.FallBack("pretend this torch has another _save")

@@ -6,14 +6,11 @@ exception) and :mod:`ckptkit.prefix` (the key-renaming tools). Names are importe
 Every other name lives in its own module: ``ckptkit.errors.UnsafeCheckpointError``,
 ``ckptkit.prefix.detect_prefixes``.
 
-Layers, each importing only its own and those below it (``tests/test_architecture.py`` holds
-this; README's "Architecture" section lists every module):
-
-3. ``ckptkit.cli`` and ``ckptkit.train``: clients of the public API only;
-2. the public API's front: this package, ``_convert``, ``_inspect``, ``_diff``, ``_load``;
-1. ``ckptkit.distributed`` (collectives, the rank-0 protocol, async saving, checkpoint folders,
-   preemption) beside the read/write/verify/state/fit/prefix/RNG/sampler modules;
-0. ``ckptkit.errors`` and ``ckptkit.formats``: torch-free readers and writers; never torch.
+Folders by role, each importing only those below it (``tests/test_architecture.py`` holds
+this; CONTRIBUTING's "Architecture" section draws the tree): ``cli`` and ``train`` (clients of
+this API only), this package, ``ops`` (convert, inspect, verify, read, write, save, load),
+``model``, ``distributed`` and ``training``, ``formats`` (one package per format; torch only in
+each format's ``torch`` module), ``io`` (files and object stores), ``errors``.
 
 Example:
     >>> import ckptkit
@@ -31,23 +28,23 @@ from .errors import CkptkitError
 __version__ = "0.2.0"
 
 _PUBLIC: dict[str, str] = {
-    "save_on_master": ".distributed.rank0",
-    "write_checkpoint": "._write",
-    "load_for_rank": "._load",
-    "read_checkpoint": "._read",
-    "device_for_rank": "._devices",
-    "save_training_state": "._state",
-    "load_training_state": "._resume",
-    "TrainingState": "._resume",
-    "ResumableDistributedSampler": "._sampler",
-    "AsyncSaver": ".distributed.async_save",
-    "CheckpointFolder": ".distributed.folder",
+    "save_on_master": ".ops.save",
+    "write_checkpoint": ".ops.write",
+    "load_for_rank": ".ops.load",
+    "read_checkpoint": ".ops.read",
+    "device_for_rank": ".distributed.devices",
+    "save_training_state": ".ops.save",
+    "load_training_state": ".ops.resume",
+    "TrainingState": ".ops.resume",
+    "ResumableDistributedSampler": ".training.sampler",
+    "AsyncSaver": ".ops.async_save",
+    "CheckpointFolder": ".ops.folder",
     "StopSignal": ".distributed.preempt",
-    "convert_checkpoint": "._convert",
-    "inspect_checkpoint": "._inspect",
-    "diff_checkpoints": "._diff",
-    "verify_checkpoint": "._verify",
-    "unwrap_model": "._unwrap",
+    "convert_checkpoint": ".ops.convert",
+    "inspect_checkpoint": ".ops.inspect",
+    "diff_checkpoints": ".ops.diff",
+    "verify_checkpoint": ".ops.verify",
+    "unwrap_model": ".model.unwrap",
     "strip_prefix": ".prefix",
     "add_prefix": ".prefix",
 }
@@ -74,20 +71,19 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._convert import convert_checkpoint
-    from ._devices import device_for_rank
-    from ._diff import diff_checkpoints
-    from ._inspect import inspect_checkpoint
-    from ._load import load_for_rank
-    from ._read import read_checkpoint
-    from ._resume import TrainingState, load_training_state
-    from ._sampler import ResumableDistributedSampler
-    from ._state import save_training_state
-    from ._unwrap import unwrap_model
-    from ._verify import verify_checkpoint
-    from ._write import write_checkpoint
-    from .distributed.async_save import AsyncSaver
-    from .distributed.folder import CheckpointFolder
+    from .distributed.devices import device_for_rank
     from .distributed.preempt import StopSignal
-    from .distributed.rank0 import save_on_master
+    from .model.unwrap import unwrap_model
+    from .ops.async_save import AsyncSaver
+    from .ops.convert import convert_checkpoint
+    from .ops.diff import diff_checkpoints
+    from .ops.folder import CheckpointFolder
+    from .ops.inspect import inspect_checkpoint
+    from .ops.load import load_for_rank
+    from .ops.read import read_checkpoint
+    from .ops.resume import TrainingState, load_training_state
+    from .ops.save import save_on_master, save_training_state
+    from .ops.verify import verify_checkpoint
+    from .ops.write import write_checkpoint
     from .prefix import add_prefix, strip_prefix
+    from .training.sampler import ResumableDistributedSampler

@@ -6,7 +6,7 @@ root when only a submodule was wrapped (``encoder._orig_mod.layer.weight``). The
 return a new ``OrderedDict`` holding the same value objects in the same order, and carry
 ``state_dict._metadata`` (per-module versions that BatchNorm and others read when loading)
 over to the renamed module paths. Finding which wrappers the keys carry (:func:`detect_prefixes`,
-:class:`PrefixInfo`) lives in :mod:`ckptkit._wrapperkeys`; this module is its public home.
+:class:`PrefixInfo`) lives in :mod:`ckptkit.model.wrappers`; this module is its public home.
 Nothing here imports torch, so the CLI can rename keys in a checkpoint it never fully loads.
 """
 
@@ -16,8 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from ._wrapperkeys import WRAPPER_PREFIXES, PrefixInfo, canonical_key, check_prefix, detect_prefixes, wrapper_names
 from .errors import ArgumentError, summarize
+from .model.wrappers import WRAPPER_PREFIXES, PrefixInfo, canonical_key, check_prefix, detect_prefixes, wrapper_names
 
 # The public key tools: the renaming below, and the detection it builds on (kept in _wrapperkeys).
 __all__ = [

@@ -47,7 +47,7 @@ SAFETENSORS_CASES: dict[str, bytes] = {
 
 
 def _zip_regions(path: Path) -> dict[str, tuple[int, int]]:
-    from ckptkit.formats.torchzip import TorchZip
+    from ckptkit.formats.torchzip.container import TorchZip
 
     z = TorchZip(path)
     pkl = z.by_name[f"{z.prefix}data.pkl"]

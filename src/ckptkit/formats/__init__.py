@@ -8,30 +8,27 @@ One model of a checkpoint: every source opens as its object tree with ``entry.En
 that tree, and each output format has one writer that takes it: ``safetensors.write_safetensors``,
 ``zipwrite.write_torch_zip``, ``hf.write.write_shards`` (DCP output is DCP's own writer).
 
-Modules, by format:
+One package per format, each holding its torch-free codec and, where the format needs torch, its
+torch half (``torch.py``, the only modules here that import torch):
 
 - ``entry``: the model; ``detect``: which format a path holds; ``dtypes``: the one dtype table;
-- torch's zip: ``torchzip`` (the container, read), ``zipwrite`` (its one writer), ``zipcheck`` (its
-  directory, read by miniz's rules), ``torchpickle`` (its pickles read through inert
-  stand-ins), ``pickleglobals`` (the globals they name, and which the stand-ins model),
-  ``torchdump`` (pickles written from stand-ins), ``modulepickle`` (a whole pickled module read
-  as its state dict), ``moduletree`` (that module's records, and the ``state_dict()`` walk over
-  them), ``bounds`` (declared sizes against real bytes), ``scan`` (the globals a pickle would
-  import);
-- ``safetensors``: the safetensors codec and its one writer;
+- ``torchzip/``: torch's zip: ``container`` (read), ``writer`` (its one writer), ``directory``
+  (read by miniz's rules), ``bounds`` (declared sizes against real bytes), ``modulepickle`` and
+  ``moduletree`` (a whole pickled module read as its state dict), ``torch`` (torch's pickling);
+- ``pickles/``: pickles as torch zips, DCP and DeepSpeed hold them: ``reader`` (inert
+  stand-ins), ``globals`` (what they name and model), ``scan`` (what a pickle would import),
+  ``dump`` (pickles written from stand-ins);
+- ``safetensors/``: ``codec`` (the format and its one writer), ``torch`` (torch tensors);
 - ``dcp/``: torch.distributed.checkpoint: its metadata's globals (the package), ``meta`` (the
   metadata read through stand-ins), ``stream`` (a folder's tensors as entries: chunk byte ranges);
-- ``hf/``: Hugging Face shards: ``index``, ``write``, and ``folders`` (a Trainer ``checkpoint-N/``,
-  an Accelerate ``save_state`` folder, a ``save_pretrained`` folder: what each file holds);
-- ``producers``: which framework wrote a checkpoint (timm, mmengine, Lightning, ignite,
-  ``AveragedModel``, DeepSpeed), from its entries' names: where its weights and EMA copy are;
-- ``deepspeed/``: DeepSpeed ZeRO folders: ``files`` (layout, tag, rank files, pickles read
-  through inert stand-ins, refusal of a ZeRO-3 rank file alone), ``rebuild`` (``zero_to_fp32``'s
-  rules as byte ranges of the partition records; buffer upcast), ``stream`` (the rebuilt fp32
-  state dict as entries, each record's CRC-32 checked from its copied pieces);
-- across formats: ``source`` (a file, or a folder of shards, opened as a tree of entries),
-  ``integrity`` (is it intact; a writer's check before it publishes), ``cast`` (entries whose
-  floating bytes are cast to another dtype as they are copied: ``convert --dtype``).
+- ``hf/``: Hugging Face shards: ``index``, ``write``, ``folders`` (a Trainer ``checkpoint-N/``,
+  an Accelerate ``save_state`` folder, a ``save_pretrained`` folder), ``torch`` (shards from
+  torch tensors);
+- ``deepspeed/``: DeepSpeed ZeRO folders: ``files`` (layout, tag, rank files), ``rebuild``
+  (``zero_to_fp32``'s rules as byte ranges), ``stream`` (the rebuilt fp32 state dict as entries);
+- across formats: ``producers`` (which framework wrote a checkpoint), ``source`` (a file, or a
+  folder of shards, opened as a tree of entries), ``integrity`` (is it intact; a writer's check
+  before it publishes), ``cast`` (``convert --dtype`` while copying).
 
 Files themselves (atomic writes, the checked copy, CRC-32) are ``ckptkit.io``, below this.
 """

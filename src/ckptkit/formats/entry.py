@@ -7,7 +7,7 @@ returns their CRC-32 (checking them against the CRC-32 their source records as i
 
 Every source opens as such a tree: a torch zip or safetensors file and Hugging Face shards
 (:mod:`.source`), a DCP folder (:mod:`.dcp.stream`, whose tensors are entries themselves), torch
-tensors in memory (``ckptkit._sttorch``). Selection and renaming act on the tree; each output
+tensors in memory (``ckptkit.formats.safetensors.torch``). Selection and renaming act on the tree; each output
 format then has one writer that takes it: :func:`.safetensors.write_safetensors`,
 :func:`.zipwrite.write_torch_zip`, :func:`.hf.write.write_shards` (and DCP's own writer).
 

@@ -22,13 +22,13 @@ from typing import Any, BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, summarize
 from ..io.fileio import Progress, crc32, crc_of_range
-from . import modulepickle as mp
-from . import torchpickle as tp
-from .bounds import storage_problem, tensor_problems, tensors_in
 from .detect import HF, SAFETENSORS, ZIP, detect_format
 from .hf.index import read_index
-from .safetensors import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
-from .torchzip import Record, TorchZip
+from .pickles import reader as tp
+from .safetensors.codec import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
+from .torchzip import modulepickle as mp
+from .torchzip.bounds import storage_problem, tensor_problems, tensors_in
+from .torchzip.container import Record, TorchZip
 
 Kind = Literal["integrity", "safety"]
 

@@ -20,16 +20,16 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 from ..io.fileio import copy_range
-from . import modulepickle as mp
-from . import torchpickle as lp
-from .bounds import check_tensors
 from .detect import DCP, HF, SAFETENSORS, ZIP, detect_format
 from .dtypes import BY_SAFETENSORS
 from .entry import Bytes
 from .hf.index import HfIndex, check_shard_keys, read_index
 from .integrity import Damage, record_crc, record_tensors, tensors_named
-from .safetensors import insert_aliases, parse_aliases, parse_crcs, read_header
-from .torchzip import Record, TorchZip
+from .pickles import reader as lp
+from .safetensors.codec import insert_aliases, parse_aliases, parse_crcs, read_header
+from .torchzip import modulepickle as mp
+from .torchzip.bounds import check_tensors
+from .torchzip.container import Record, TorchZip
 
 
 class NeedsTorch(Exception):

@@ -13,7 +13,7 @@ from pathlib import Path
 from ...io.fileio import ClampedReader
 from ..detect import DCP_METADATA
 from ..dtypes import BY_NAME
-from ..scan import pickle_globals
+from ..pickles.scan import pickle_globals
 
 # Exact names: a protocol-4 pickle can name a dotted attribute of a module (STACK_GLOBAL with
 # qualname "os.system" in torch.distributed.checkpoint.metadata is os.system), so a prefix

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError
-from .. import torchpickle as lp
 from ..detect import DCP_METADATA
 from ..dtypes import BY_NAME
+from ..pickles import reader as lp
 from ..source import NeedsTorch
 from . import is_dcp_class
 

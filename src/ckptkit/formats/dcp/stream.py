@@ -25,11 +25,11 @@ from typing import Any, BinaryIO
 from ...errors import CheckpointFormatError, summarize
 from ...io.crcmath import crc32_combine
 from ...io.fileio import Progress, copy_range, crc_of_range
-from .. import torchpickle as lp
 from ..dtypes import BY_NAME
 from ..integrity import Check, Damage
+from ..pickles import reader as lp
 from ..source import NeedsTorch
-from ..torchzip import SliceReader, TorchZip
+from ..torchzip.container import SliceReader, TorchZip
 from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
 from .tensor import DcpTensor, Piece
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from ...errors import CheckpointFormatError, summarize
 from ...io.fileio import Progress
 from ..integrity import Check, record_crc
-from ..torchzip import TorchZip
+from ..torchzip.container import TorchZip
 from .stream import open_deepspeed
 
 

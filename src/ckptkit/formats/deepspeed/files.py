@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ArgumentError, CheckpointFormatError, PartialCheckpointError, UnsupportedCheckpointError, spell
-from .. import torchpickle as tp
 from ..detect import DEEPSPEED, ZIP, deepspeed_tag_folder
-from ..pickleglobals import DEEPSPEED_GLOBALS, TENSOR_BUILDERS, python3_name
-from ..torchzip import TorchZip
+from ..pickles import reader as tp
+from ..pickles.globals import DEEPSPEED_GLOBALS, TENSOR_BUILDERS, python3_name
+from ..torchzip.container import TorchZip
 
 RANK_MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 _MP_RANK = re.compile(r"mp_rank_(\d+)")

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import CheckpointFormatError, UnsupportedCheckpointError
-from .. import torchpickle as tp
-from ..torchzip import Record, TorchZip
+from ..pickles import reader as tp
+from ..torchzip.container import Record, TorchZip
 from .files import entry_of
 
 FLOATS = ("float32", "float16", "bfloat16", "float64")  # what zero_to_fp32's buffer .float() upcasts (or rounds)

@@ -26,11 +26,11 @@ from typing import Any, BinaryIO, Literal
 from ...errors import ArgumentError, CheckpointFormatError, spell
 from ...io.crcmath import crc32_combine
 from ...io.fileio import Progress, copy_range, crc32, crc_of_range, write_checked
-from .. import torchpickle as tp
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Damage, tensors_named
-from ..torchzip import Record, TorchZip
+from ..pickles import reader as tp
+from ..torchzip.container import Record, TorchZip
 from . import rebuild as rb
 from .files import Layout, entry_of, find_layout, read_pickle
 

@@ -26,7 +26,7 @@ from ...io.fileio import Progress
 from ..detect import HF, HF_INDEXES
 from ..entry import Entry
 from ..integrity import check_written
-from ..safetensors import write_safetensors
+from ..safetensors.codec import write_safetensors
 from ..source import NeedsTorch
 from .index import HF_FILE, drop_tied, index_bytes, split
 

@@ -1,0 +1,237 @@
+"""The safetensors codec: header, CRC-32 metadata and tied-tensor aliases, without torch.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N, a
+JSON header of N bytes (space-padded so data starts 8-aligned), then raw little-endian bytes.
+Each header entry is ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data;
+``__metadata__`` maps strings to strings. We write the file ourselves instead of calling
+``safetensors.torch.save_file`` so the bytes go into our atomic temp file, stream tensor by
+tensor (no whole-file buffer, no numpy), and keep tied weights: a tensor that is an exact alias
+of another is stored once and recorded under ``ckptkit.aliases`` so loading re-ties it, as
+``safetensors.torch.save_model``/``load_model`` do for modules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any, BinaryIO
+
+from ...errors import ArgumentError, CheckpointFormatError, summarize
+from ...io.fileio import Progress
+from ...io.pages import PAGE, page_residue
+from ..dtypes import BY_NAME, BY_SAFETENSORS
+from ..entry import Entry
+
+DTYPE_SIZES: dict[str, int] = {code: d.itemsize for code, d in BY_SAFETENSORS.items()}
+MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+ALIASES_KEY = "ckptkit.aliases"
+CRC_KEY = "ckptkit.crc32"  # {tensor name: CRC-32 of its bytes, 8 hex digits}: lets verify see bit flips
+_CRC_PLACEHOLDER = "00000000"
+
+
+def crc_metadata(names: Iterable[str], crcs: Mapping[str, Any] | None = None) -> str:
+    """The CRC_KEY value; with ``crcs`` missing it is a same-length placeholder to patch later."""
+    return json.dumps({n: f"{crcs[n]:08x}" if crcs is not None else _CRC_PLACEHOLDER for n in names})
+
+
+def write_safetensors(
+    f: BinaryIO, state: Mapping[str, Any], metadata: Mapping[str, str], *, source: str, progress: Progress | None = None
+) -> int:
+    """The one safetensors writer: ``state``'s entries, tied ones (equal ``ident``) stored once and
+    recorded under ``ckptkit.aliases``, with ckptkit's per-tensor CRC-32s; returns the bytes stored.
+
+    Raises:
+        ArgumentError: naming ``source``: a value that is not a tensor, or a dtype safetensors
+            has no name for.
+
+    Example:
+        >>> write_safetensors(f, {"w": entry}, {"format": "pt"}, source="model.pt")  # doctest: +SKIP
+    """
+    bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not isinstance(v, Entry)]
+    if bad:
+        raise ArgumentError(f"{source}: safetensors holds only tensors, but {len(bad)} entries are not: {summarize(bad)}; "
+                            "save them with a .pt suffix, or pass only the model state dict")  # fmt: skip
+    unknown = [f"{k} ({v.dtype})" for k, v in state.items() if v.dtype not in BY_NAME or BY_NAME[v.dtype].safetensors is None]
+    if unknown:
+        raise ArgumentError(f"{source}: safetensors has no dtype for {summarize(unknown)}; use a .pt suffix")
+    kept: dict[str, Entry] = {}
+    first: dict[Any, str] = {}
+    aliases: dict[str, list[Any]] = {}
+    for i, (name, e) in enumerate(state.items()):
+        if e.nbytes and e.ident in first:  # {alias: [target, position]}: loading restores the order too
+            aliases[name] = [first[e.ident], i]
+        else:
+            first.setdefault(e.ident, name)
+            kept[name] = e
+    meta = {k: v for k, v in metadata.items() if k not in (ALIASES_KEY, CRC_KEY)}
+    if aliases:
+        meta[ALIASES_KEY] = json.dumps(aliases)
+    entries = [(n, BY_NAME[e.dtype].safetensors or "", list(e.shape), e.nbytes) for n, e in kept.items()]
+    spans: list[tuple[int, int, int]] = []  # (offset in the data section, in the source, length)
+    offset = 0
+    for e in kept.values():
+        if e.at is not None:
+            spans.append((offset, e.at, e.nbytes))
+        offset += e.nbytes
+    start, data_at = f.tell(), page_residue(spans)
+
+    def header(crcs: Mapping[str, int | None] | None) -> bytes:
+        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(kept, crcs)}, data_at=data_at, start=start)
+
+    # Where the source records every CRC-32, the header goes out once, final; else with
+    # same-width placeholders patched after the data (a page the disk may be writing back).
+    known = {n: e.crc for n, e in kept.items()}
+    first = header(known if None not in known.values() else None)
+    f.write(first)
+    final = header({n: e.write(f, progress) for n, e in kept.items()})
+    if final != first:
+        if len(final) != len(first):  # cannot happen: same keys, same widths
+            raise CheckpointFormatError("internal error: safetensors header changed length while patching CRCs")
+        end = f.tell()
+        f.seek(start)
+        f.write(final)
+        f.seek(end)
+    return offset
+
+
+def header_bytes(
+    entries: Iterable[tuple[str, str, list[int], int]],
+    metadata: Mapping[str, str] | None,
+    *,
+    data_at: int | None = None,
+    start: int = 0,
+) -> bytes:
+    """Length prefix + JSON header for ``(name, dtype, shape, nbytes)`` entries laid out in order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return encode_header(header, data_at=data_at, start=start)
+
+
+def encode_header(header: Mapping[str, Any], *, data_at: int | None = None, start: int = 0) -> bytes:
+    """Length prefix + compact JSON, space-padded so tensor data starts 8-byte aligned, or, with
+    ``data_at`` (a multiple of 8, from :func:`.pages.page_residue`), at that file offset modulo
+    :data:`~.pages.PAGE` (up to a page of spaces) for a header written at file offset ``start``."""
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8 if data_at is None else (data_at - start - 8 - len(raw)) % PAGE)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_header(f: BinaryIO, *, size: int | None = None, source: str = "file") -> tuple[dict[str, Any], int]:
+    """Parse and validate a safetensors header without reading tensor data.
+
+    Returns:
+        ``(header, data_start)``: the header in file order (``__metadata__`` included when
+        present) and the byte offset where tensor data begins.
+
+    Raises:
+        CheckpointFormatError: naming what is wrong (length past EOF, bad JSON, unknown dtype,
+            offsets out of bounds or overlapping, size not matching the shape).
+    """
+    if size is None:
+        size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise CheckpointFormatError(f"{source}: {size} bytes is too short for a safetensors file (needs 8+)")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointFormatError(
+            f"{source}: safetensors header claims {n} bytes but the file has {size - 8} after the length "
+            f"(limit {MAX_HEADER}); the file is truncated or not safetensors"
+        )
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(f"{source}: safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{source}: safetensors header is a JSON {type(header).__name__}, not an object")
+    data_len = size - 8 - n
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CheckpointFormatError(f"{source}: __metadata__ must map strings to strings")
+            continue
+        spans.append(_check_entry(name, entry, data_len, source))
+    spans.sort()
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            what = "overlaps the previous tensor" if begin < end else f"leaves a gap of {begin - end} bytes"
+            raise CheckpointFormatError(f"{source}: tensor {name!r} at byte {begin} {what}")
+        end = stop
+    if end != data_len:
+        raise CheckpointFormatError(f"{source}: tensors cover {end} bytes but the data section has {data_len}")
+    return header, 8 + n
+
+
+def _check_entry(name: str, entry: Any, data_len: int, source: str) -> tuple[int, int, str]:
+    if not isinstance(entry, dict):
+        raise CheckpointFormatError(f"{source}: header entry {name!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise CheckpointFormatError(f"{source}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise CheckpointFormatError(f"{source}: tensor {name!r} has invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_len
+    ):
+        raise CheckpointFormatError(
+            f"{source}: tensor {name!r} has data_offsets {offsets!r} outside the {data_len}-byte data section"
+        )
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise CheckpointFormatError(
+            f"{source}: tensor {name!r} is {dtype}{shape} = {expected} bytes but its offsets span {offsets[1] - offsets[0]}"
+        )
+    return offsets[0], offsets[1], name
+
+
+def parse_crcs(meta: Mapping[str, str], source: str) -> dict[str, int]:
+    """Tensor name -> CRC-32 from the ``ckptkit.crc32`` metadata ({} when none was recorded)."""
+    try:
+        return {str(k): int(v, 16) for k, v in json.loads(meta.get(CRC_KEY, "{}")).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointFormatError(f"{source}: metadata {CRC_KEY} is malformed ({e})") from e
+
+
+def parse_aliases(meta: Mapping[str, str], names: Iterable[str], source: str) -> list[tuple[int, str, str]]:
+    """``(position, alias, target)`` from the ``ckptkit.aliases`` metadata, sorted by position.
+
+    Raises:
+        CheckpointFormatError: the metadata is malformed or an alias points at a missing tensor.
+    """
+    try:
+        raw = json.loads(meta.get(ALIASES_KEY, "{}"))
+        if not isinstance(raw, dict):
+            raise TypeError(f"a JSON {type(raw).__name__}, not an object")
+        placed = sorted((int(pos), str(alias), str(target)) for alias, (target, pos) in raw.items())
+    except (ValueError, TypeError) as e:
+        raise CheckpointFormatError(f"{source}: metadata {ALIASES_KEY} is malformed ({e})") from e
+    known = set(names)
+    for _, alias, target in placed:
+        if target not in known:
+            raise CheckpointFormatError(f"{source}: alias {alias!r} points at missing tensor {target!r}")
+    return placed
+
+
+def insert_aliases(entries: OrderedDict[str, Any], placed: list[tuple[int, str, str]]) -> OrderedDict[str, Any]:
+    """``entries`` with each alias put back at its position, as the same object as its target."""
+    if not placed:
+        return entries
+    items = list(entries.items())
+    for pos, alias, target in placed:
+        items.insert(min(pos, len(items)), (alias, entries[target]))
+    return OrderedDict(items)

@@ -1,0 +1,123 @@
+"""Refuse a torch checkpoint whose pickle declares storages or tensors larger than their bytes.
+
+torch allocates each storage at the size its pickle declares before reading the bytes, so
+one flipped bit in a size can ask for terabytes. Walking the pickle through ckptkit's inert
+stand-ins first (nothing is imported or run) checks every declared size against its zip
+record, or for the legacy format against the file, as soon as the reference is read: a huge
+storage placed before a forbidden global is caught too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ...errors import CheckpointFormatError, summarize
+from ...io.fileio import ClampedReader
+from ..detect import LEGACY, ZIP
+from ..pickles import reader as lp
+from .container import TorchZip
+
+
+def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: BinaryIO) -> None:
+    """Raise CheckpointFormatError if a declared storage cannot fit its bytes.
+
+    Stops quietly at a global the stand-ins do not model: torch's weights-only loader refuses
+    it before reading further, and with ``trust`` the caller accepted arbitrary pickles.
+    ``file``: the open file to read; ``path`` names it in messages.
+    """
+    p = Path(path)
+    if fmt == ZIP:
+        z = TorchZip(p, file=file)
+
+        def check_zip(ref: lp.StorageRef) -> None:
+            why = storage_problem(ref, z)
+            if why is not None:
+                raise CheckpointFormatError(f"{p}: {why}")
+
+        source: bytes | object = z.read(f"{z.prefix}data.pkl")
+        _walk(source, check_zip)
+    elif fmt == LEGACY:
+        size = os.fstat(file.fileno()).st_size
+
+        def check_legacy(ref: lp.StorageRef) -> None:
+            if lp.storage_nbytes(ref) > size:
+                raise CheckpointFormatError(
+                    f"{p}: storage {ref.key} declares {lp.storage_nbytes(ref)} bytes, more than the whole file ({size})"
+                )
+
+        file.seek(0)
+        reader = ClampedReader(file)
+        for _ in range(3):  # magic number, protocol version, system info: plain values
+            _walk(reader, None)
+        _walk(reader, check_legacy)
+
+
+def storage_problem(ref: lp.StorageRef, z: TorchZip) -> str | None:
+    """Why a storage the pickle declares does not fit the zip (missing record, too few bytes), or None."""
+    rec = z.by_name.get(f"{z.prefix}data/{ref.key}")
+    if rec is None:
+        return f"the pickle refers to storage {ref.key}, which the zip lacks"
+    need = lp.storage_nbytes(ref)
+    return f"storage {ref.key} declares {need} bytes but its record holds {rec.size}" if need > rec.size else None
+
+
+def _walk(source: object, check: object) -> None:
+    try:
+        lp.loads(source, on_storage=check)  # type: ignore[arg-type]
+    except lp.UnsupportedGlobal:
+        return
+
+
+def tensors_in(obj: Any, path: str = "") -> list[tuple[str, lp.TensorRef]]:
+    """``(where, tensor)`` for every tensor stand-in in nested dicts, lists and tuples."""
+    found: list[tuple[str, lp.TensorRef]] = []
+    stack = [(path, obj)]
+    while stack:
+        where, node = stack.pop()
+        t = lp.tensor_of(node)
+        if t is not None:
+            found.append((where or "<root>", t))
+        elif isinstance(node, dict):
+            stack += [(f"{where}/{k}" if where else str(k), v) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(node)]
+    return found
+
+
+def tensor_problem(t: lp.TensorRef, storage_bytes: int) -> str | None:
+    """Why torch could not build this tensor view over ``storage_bytes`` bytes, or None.
+
+    torch checks these only when it loads the file; a rewrite that copies storages untouched
+    would otherwise pass a broken view through.
+    """
+    shape, stride, offset = t.shape, t.stride, t.offset
+    if len(shape) != len(stride):
+        return f"{len(shape)} dimensions but {len(stride)} strides"
+    if offset < 0 or any(d < 0 for d in shape) or any(s < 0 for s in stride):
+        return f"negative offset, size or stride (offset {offset}, size {list(shape)}, stride {list(stride)})"
+    if t.numel == 0 or not t.itemsize:
+        return None
+    need = (offset + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) + 1) * t.itemsize
+    return f"needs {need} bytes, storage has {storage_bytes}" if need > storage_bytes else None
+
+
+def tensor_problems(obj: Any, z: TorchZip) -> list[str]:
+    """``"where: why"`` for every tensor view in ``obj`` that does not fit its storage record."""
+    problems = []
+    for name, t in tensors_in(obj):
+        try:
+            why = tensor_problem(t, z.storage(t.storage.key).size)
+        except CheckpointFormatError:
+            why = f"storage {t.storage.key} missing"
+        if why is not None:
+            problems.append(f"{name}: {why}")
+    return problems
+
+
+def check_tensors(obj: Any, z: TorchZip, source: str) -> None:
+    """Raise CheckpointFormatError naming every tensor view that does not fit its storage record."""
+    problems = tensor_problems(obj, z)
+    if problems:
+        raise CheckpointFormatError(f"{source}: damaged tensor records: {summarize(problems, 3)}")

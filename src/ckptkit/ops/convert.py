@@ -1,0 +1,267 @@
+"""``ckptkit convert``: rename wrapper prefixes, optionally change format, never lose data.
+
+The fast path (torch zip and safetensors) never imports torch: it rewrites names and copies
+tensor bytes as they are, checking each against the CRC-32 the source records for it. Everything
+else (legacy files, DCP folders, files that need ``trust``, layouts the fast path does not model)
+goes through torch, with the same renaming rules and the same write path; a torch zip or
+safetensors source has its recorded CRC-32s checked before anything is written (torch checks none).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Literal
+
+from ..errors import ArgumentError, spell
+from ..formats import source as fp
+from ..formats.cast import Cast, target_dtype
+from ..formats.dcp import stream as dcps
+from ..formats.deepspeed import stream as dss
+from ..formats.deepspeed.files import check_zero_source
+from ..formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
+from ..formats.hf.index import DEFAULT_MAX_SHARD_SIZE, parse_size
+from ..formats.hf.write import check_destination
+from ..formats.integrity import check_recorded_crcs
+from ..formats.pickles.reader import UnsupportedGlobal
+from ..formats.torchzip import modulepickle as mp
+from ..io.atomicdir import check_folder_destination
+from ..io.remote import is_url
+from .convert_job import Job, convert_remote, fast_cast, fast_write
+from .pickled import pickled_module_name
+from .reports import ConvertReport
+from .safety import MODULE_WALK, AllowGlobals, unsafe_error
+from .write import SUFFIX_FORMATS, format_for, write_to
+
+
+def _dcp_flag() -> str:
+    return spell('format="dcp"', "--format dcp")
+
+
+def _source_files(src: Path) -> list[Path]:
+    """Every file a source is read from: itself, or a folder's files, or an index and its shards."""
+    if src.is_dir():
+        return [p for p in src.iterdir() if p.is_file()]
+    if src.name.endswith(".index.json"):
+        return [src, *(p for p in src.parent.iterdir() if p.is_file())]
+    return [src] if src.exists() else []
+
+
+def _check_folder_name(dest: Path, option: str) -> None:
+    """Refuse a new folder named like a file (``out.safetensors``), unless the name ends with ``/``
+    (Lightning names its sharded checkpoint folders ``epoch=0-step=10.ckpt``)."""
+    if dest.suffix.lower() in SUFFIX_FORMATS:
+        raise ArgumentError(
+            f"{dest} names a {dest.suffix} file, but {option} writes a folder; name the folder without "
+            f"the suffix ({dest.with_suffix('')}/) or end the name with / to keep it ({dest}/), "
+            f"or leave out {option} to write one file"
+        )
+
+
+def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> Format:
+    if format == DCP:  # a folder DCP's writer fills; anything else in it would go with it
+        check_folder_destination(src, dst, force=force, owned=is_dcp_file, what="DCP files")
+        return DCP
+    fmt = format_for(dst, default=None)
+    if dst.exists():
+        if any(os.path.samefile(f, dst) for f in _source_files(src)):
+            same = src.is_file() and os.path.samefile(src, dst)
+            raise ArgumentError(f"{dst} is {'the source file' if same else f'a file of the source {src}'}; "
+                                "write the result to another path (SRC is never modified)")  # fmt: skip
+        if not force:
+            raise ArgumentError(f"{dst} exists; pass {spell('force=True', '--force')} to replace it")
+    return fmt
+
+
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: Literal["single", "ddp", "keep"] = "single",
+    strip: Iterable[str] = (),
+    add: Iterable[str] = (),
+    model_only: bool = False,
+    key: str | None = None,
+    trust: bool = False,
+    allow_globals: AllowGlobals = (),
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    max_shard_size: int | str | None = None,
+    format: Literal["dcp"] | None = None,
+    zero_weights: Literal["fp32", "module"] = "fp32",
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None,
+    sanitize: bool = False,
+) -> ConvertReport:
+    """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
+
+    Only the model weights are renamed; in a training checkpoint every other entry
+    (optimizer state keyed by parameter index, scheduler, epoch...) is kept as it was, unless
+    ``model_only`` asks for the weights alone. ``dst`` is written atomically and never
+    replaces ``src``.
+
+    Every tensor byte is checked against the CRC-32 the source records for it (a torch zip's
+    records; ckptkit's per-tensor CRC-32s in safetensors it wrote; each DCP chunk's zip record) as
+    it is copied, so a damaged source fails with :class:`~ckptkit.errors.CheckpointFormatError`
+    naming each damaged tensor, and ``dst`` is not written. Legacy files and safetensors files from
+    other writers record no CRC-32s, so there is nothing to check their bytes against. A DCP
+    folder is copied chunk by chunk, in little memory at any size, unless its chunks are split
+    along a dimension other than the first (then torch loads it whole; ``fallback_reason`` says why).
+    A DeepSpeed ZeRO folder gives the fp32 state dict ``zero_to_fp32`` rebuilds (its names, order,
+    dtypes, bits and ties), copied from the ranks' partitions, each byte checked against its CRC-32.
+
+    Args:
+        src: an object's URL (``s3://bucket/key.pt``, staged through a local file), or a torch zip or legacy file, safetensors file, DCP folder, Hugging Face shards (their
+            folder or ``*.index.json``), or a DeepSpeed ZeRO folder (holding ``latest``, or ``global_stepN/``).
+        dst: output path (or an object's URL, ``s3://bucket/key.pt``: written locally, uploaded
+            whole and read back; folders are not written to URLs); ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
+            zip (suffixes in any case). A path ending in ``/``, an existing folder, or any
+            ``max_shard_size`` writes a folder of Hugging Face safetensors shards instead, as
+            ``huggingface_hub.save_torch_state_dict`` does; it appears complete or not at all.
+        to: ``"single"`` (remove ``module.``/``_orig_mod.``), ``"ddp"`` (then add ``module.``)
+            or ``"keep"``; see :func:`ckptkit.prefix.rewrite_prefixes`.
+        strip: further prefixes to remove (e.g. Lightning's ``"model."``).
+        add: prefixes to add.
+        model_only: write only the model state dict (not torch's ``weights_only``, which is
+            about unpickling; ckptkit always loads safely unless ``trust``).
+        key: where the weights are, e.g. ``"ema"``.
+        trust: allow arbitrary unpickling of ``src``; only for files you trust.
+        allow_globals: classes (or ``"module.Name"`` strings) to admit when unpickling ``src``.
+        force: replace an existing ``dst``.
+        progress: called as ``progress(bytes_done_now, bytes_total)`` while copying.
+        max_shard_size: for a folder output, the shard size limit: bytes, or ``"5GB"``/``"500MB"``
+            (decimal units, as huggingface_hub's; default ``"5GB"``).
+        format: ``"dcp"`` writes ``dst`` as a torch.distributed.checkpoint folder (through DCP's
+            own writer, after ckptkit's safe read of ``src``), which
+            ``torch.distributed.checkpoint.load`` reads into a plain or an FSDP2 model; the
+            folder appears complete or not at all. None: the format ``dst``'s suffix names.
+        zero_weights: for a DeepSpeed ZeRO source: ``"fp32"`` (the master weights, as ``zero_to_fp32``)
+            or ``"module"`` (the 16-bit ``module`` state dict as saved; ZeRO stage 1/2 only).
+        dtype: cast the model weights' floating tensors (float16, bfloat16, float32, float64) to
+            ``"bf16"``, ``"fp16"`` or ``"fp32"``, with the values torch's ``.to()`` gives (round to
+            nearest even; NaN and inf kept); integer, bool, complex and float8 tensors and everything
+            besides the weights (optimizer state) are left as they are. Torch-free where the copy is,
+            each source byte still checked. ``notes`` say what was cast. None: no cast.
+        sanitize: with ``trust``, make what is written loadable by ``torch.load(weights_only=True)``:
+            ``argparse.Namespace`` and dataclass instances become dicts, numpy arrays tensors, numpy
+            scalars Python values, numpy RNG state plain lists and ints; anything else a weights-only
+            load refuses is an error naming its key path. Tensors are written byte for byte;
+            ``notes`` and ``sanitized`` list every change.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        CheckpointFormatError: ``src`` is damaged (its bytes differ from their recorded CRC-32s)
+            or is not a checkpoint, or is one ZeRO-3 rank's file (PartialCheckpointError, naming its
+            folder); ArgumentError, CheckpointNotFoundError, UnsafeCheckpointError, CheckpointWriteError as their names say.
+
+    Example:
+        >>> convert_checkpoint("ddp.pt", "single.pt")  # doctest: +SKIP
+        >>> convert_checkpoint("old.pt", "clean.pt", trust=True, sanitize=True, dtype="bf16")  # doctest: +SKIP
+        >>> convert_checkpoint("s3://bucket/ddp.pt", "single.pt")  # doctest: +SKIP
+    """
+    if is_url(src) or is_url(dst):  # every option as given (locals() holds only them here), for the local convert
+        options = {k: v for k, v in locals().items() if k not in ("src", "dst")}
+        return convert_remote(src, dst, convert_checkpoint, **options)
+    if to not in ("single", "ddp", "keep"):
+        raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
+    if dtype is not None:
+        target_dtype(dtype)  # a bad choice fails before any file is touched
+    if sanitize and not trust:
+        raise ArgumentError(
+            f"{spell('sanitize=True', '--sanitize')} rebuilds {src}'s pickled objects (argparse.Namespace, numpy "
+            f"arrays and RNG state) to turn them into plain values, and only an unrestricted unpickle builds them; "
+            f"add {spell('trust=True', '--trust')} if you trust {src} (unpickling can run code it names)"
+        )
+    source, dest = Path(src), Path(dst)
+    check_exists(source)
+    if format not in (None, DCP):
+        raise ArgumentError(f"format must be 'dcp' or None (the format DST's suffix names), not {format!r}")
+    if format == DCP and max_shard_size is not None:
+        shard = spell("max_shard_size", "--max-shard-size")
+        raise ArgumentError(f"{shard} is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave {shard} out")
+    said_folder = os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir()
+    folder = format is None and (max_shard_size is not None or said_folder)
+    limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
+    if (folder or format == DCP) and not said_folder:
+        _check_folder_name(dest, spell("max_shard_size", "--max-shard-size") if folder else _dcp_flag())
+    if folder:
+        check_destination(source, dest, force=force)
+    out_fmt = HF if folder else _check_paths(source, dest, force, format)
+    in_fmt = detect_format(source)
+    check_zero_source(source, in_fmt, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
+    job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
+    total = fp.checkpoint_bytes(source, in_fmt)
+    report_progress = (lambda n: progress(n, total)) if progress else None
+    reason = "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
+    reason = reason or ("trusted file: loaded with torch" if trust and in_fmt != DEEPSPEED else "")  # ZeRO: nothing to trust
+    if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP, DEEPSPEED):
+        try:
+            view = dss.open_deepspeed(source, zero_weights=zero_weights) if in_fmt == DEEPSPEED else \
+                dcps.open_dcp(source, lazy=True) if in_fmt == DCP else fp.open_source(source, in_fmt)  # fmt: skip
+            try:
+                total = view.nbytes if isinstance(view, dss.DsSource) else total  # its partitions, not the optimizer states
+                is_leaf = dcps.is_leaf if isinstance(view, dcps.DcpSource) else dss.is_leaf if isinstance(view, dss.DsSource) else fp.is_leaf
+                cast = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
+                job.cast = fast_cast(view, cast) if cast else None
+                report = job.run(view.obj, is_leaf, lambda f, obj, sd: fast_write(f, view, obj, sd, job, limit, report_progress))
+                report.pickled_module = view.module if isinstance(view, fp.Source) else ""
+                report.notes += [f"{view.description}: {view.weights_from}"] if isinstance(view, dss.DsSource) else []
+                report.notes += cast.notes() if cast else []
+                report.cast = list(cast.names) if cast else []
+                report.notes += ["sanitize: nothing to change (the weights were read without unpickling anything)"] * sanitize
+                return report
+            finally:
+                view.close()
+        except mp.UnsafeModulePickle as e:
+            if not allow_globals:
+                raise unsafe_error(str(source), e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK) from None
+            reason = "pickled module with allowed globals: loaded with torch"
+        except UnsupportedGlobal as e:
+            reason = f"{e.name} is not modelled by the fast path: loaded with torch"
+        except fp.NeedsTorch as e:
+            reason = f"{e}: loaded with torch"
+    elif not reason:
+        reason = f"{in_fmt} input: loaded with torch"
+    from .read import read_checkpoint, read_deepspeed  # deferred: torch is imported only when this path is taken
+
+    obj = read_deepspeed(source, map_location="cpu", zero_weights=zero_weights) if in_fmt == DEEPSPEED else \
+        read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)  # fmt: skip
+    # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
+    check_recorded_crcs(source, in_fmt, progress=report_progress)
+    cast, changes = Cast(dtype) if dtype else None, []
+    if cast is not None:
+        from .torchcast import cast_tensors  # deferred with torch, as above
+
+        job.cast = lambda state: cast_tensors(state, cast)
+    if sanitize:
+        from .sanitize import sanitize as make_plain  # deferred with torch, as above
+
+        def finish(out: object) -> object:
+            plain, found = make_plain(out, source=str(source))
+            changes.extend(found)
+            return plain
+
+        job.finish = finish
+    if out_fmt == HF:
+        from ..formats.hf.torch import save_shards  # deferred with torch, as above
+
+        report = job.run(obj, None, lambda _, obj, state: save_shards(state, dest, max_shard_size=limit))
+    elif out_fmt == DCP:
+        from .dcp_write import write_dcp  # deferred with torch, as above
+
+        report = job.run(obj, None, lambda _, obj, state: write_dcp(obj, dest))
+    else:
+        report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
+    report.fast, report.fallback_reason = False, reason
+    report.notes += cast.notes() if cast else []
+    report.cast, report.sanitized = list(cast.names) if cast else [], changes
+    if sanitize:
+        report.notes.append(f"sanitized for torch.load(weights_only=True): {'; '.join(changes)}" if changes else
+                            "sanitize: nothing to change (torch.load(weights_only=True) reads it as it was)")  # fmt: skip
+    if trust and in_fmt == ZIP:  # read by the same inert walk (_torchload), if it is a whole module
+        report.pickled_module = pickled_module_name(source)
+        if report.pickled_module:  # nothing of the pickle was run: only its tensors went through torch
+            report.fallback_reason = "trusted file: its tensors were read through torch"
+    return report
