@@ -69,13 +69,19 @@ def make_checkpoint(folder: Path, gib: float) -> tuple[Path, Path]:
     for i in range(layers):
         p = f"module.layers.{i}."
         sd |= {
-            p + "ln1.weight": torch.ones(d), p + "ln1.bias": torch.zeros(d),
-            p + "attn.qkv.weight": torch.randn(3 * d, d, generator=g), p + "attn.qkv.bias": torch.zeros(3 * d),
-            p + "attn.proj.weight": torch.randn(d, d, generator=g), p + "attn.proj.bias": torch.zeros(d),
-            p + "ln2.weight": torch.ones(d), p + "ln2.bias": torch.zeros(d),
-            p + "mlp.up.weight": torch.randn(ff, d, generator=g), p + "mlp.up.bias": torch.zeros(ff),
-            p + "mlp.down.weight": torch.randn(d, ff, generator=g), p + "mlp.down.bias": torch.zeros(d),
-        }  # fmt: skip
+            p + "ln1.weight": torch.ones(d),
+            p + "ln1.bias": torch.zeros(d),
+            p + "attn.qkv.weight": torch.randn(3 * d, d, generator=g),
+            p + "attn.qkv.bias": torch.zeros(3 * d),
+            p + "attn.proj.weight": torch.randn(d, d, generator=g),
+            p + "attn.proj.bias": torch.zeros(d),
+            p + "ln2.weight": torch.ones(d),
+            p + "ln2.bias": torch.zeros(d),
+            p + "mlp.up.weight": torch.randn(ff, d, generator=g),
+            p + "mlp.up.bias": torch.zeros(ff),
+            p + "mlp.down.weight": torch.randn(d, ff, generator=g),
+            p + "mlp.down.bias": torch.zeros(d),
+        }
     sd |= {"module.ln_f.weight": torch.ones(d), "module.head.weight": torch.randn(vocab, d, generator=g)}
     pt, st = folder / "ddp.pt", folder / "ddp.safetensors"
     torch.save(sd, pt)
@@ -153,8 +159,10 @@ def paired(name: str, ts: list[float], base_name: str, base: list[float]) -> str
     """Run-by-run ratios of ``ts`` to ``base`` (run i of each in the same round), which this
     disk's minute-to-minute drift hits alike: the comparison medians of far-apart runs blur."""
     r = [t / b for t, b in zip(ts, base, strict=True)]
-    return (f"{name} / {base_name}, run by run: median {statistics.median(r):.3f} "
-            f"(min {min(r):.3f}, max {max(r):.3f}); faster in {sum(x < 1 for x in r)} of {len(r)} rounds")  # fmt: skip
+    return (
+        f"{name} / {base_name}, run by run: median {statistics.median(r):.3f} "
+        f"(min {min(r):.3f}, max {max(r):.3f}); faster in {sum(x < 1 for x in r)} of {len(r)} rounds"
+    )
 
 
 def main() -> int:
@@ -176,11 +184,36 @@ def main() -> int:
             ("ckptkit convert ddp.pt single.pt", [*ck, "convert", str(pt), f"{o}.pt"], f"{o}.pt", "pt"),
             ("naive torch.load/save .pt", [sys.executable, "-c", NAIVE_PT, str(pt), f"{o}.pt"], f"{o}.pt", "naive_pt"),
             ("cp ddp.safetensors", ["cp", str(st), f"{o}.safetensors"], f"{o}.safetensors", "base_st"),
-            ("cp ddp.safetensors && sync", ["sh", "-c", f"cp {st} {o}.safetensors && sync {o}.safetensors"], f"{o}.safetensors", None),
-            ("ckptkit convert ddp.safetensors single.safetensors", [*ck, "convert", str(st), f"{o}.safetensors"], f"{o}.safetensors", "st"),
-            ("naive safetensors load/save", [sys.executable, "-c", NAIVE_ST_ST, str(st), f"{o}.safetensors"], f"{o}.safetensors", "naive_st"),
-            ("ckptkit convert ddp.pt single.safetensors", [*ck, "convert", str(pt), f"{o}.safetensors"], f"{o}.safetensors", "pt2st"),
-            ("naive torch.load -> save_file", [sys.executable, "-c", NAIVE_ST, str(pt), f"{o}.safetensors"], f"{o}.safetensors", "naive_pt2st"),
+            (
+                "cp ddp.safetensors && sync",
+                ["sh", "-c", f"cp {st} {o}.safetensors && sync {o}.safetensors"],
+                f"{o}.safetensors",
+                None,
+            ),
+            (
+                "ckptkit convert ddp.safetensors single.safetensors",
+                [*ck, "convert", str(st), f"{o}.safetensors"],
+                f"{o}.safetensors",
+                "st",
+            ),
+            (
+                "naive safetensors load/save",
+                [sys.executable, "-c", NAIVE_ST_ST, str(st), f"{o}.safetensors"],
+                f"{o}.safetensors",
+                "naive_st",
+            ),
+            (
+                "ckptkit convert ddp.pt single.safetensors",
+                [*ck, "convert", str(pt), f"{o}.safetensors"],
+                f"{o}.safetensors",
+                "pt2st",
+            ),
+            (
+                "naive torch.load -> save_file",
+                [sys.executable, "-c", NAIVE_ST, str(pt), f"{o}.safetensors"],
+                f"{o}.safetensors",
+                "naive_pt2st",
+            ),
             ("ckptkit inspect ddp.pt", [*ck, "inspect", str(pt)], None, None),
             ("ckptkit --help", [*ck, "--help"], None, None),
             ("ckptkit verify ddp.pt", [*ck, "verify", str(pt)], None, "verify"),
@@ -203,17 +236,28 @@ def main() -> int:
         med = {name: statistics.median(ts) for name, ts in times.items()}
         tags = {c[3]: c[0] for c in cases if c[3]}
         durable = {"base_pt": "cp ddp.pt && sync", "base_st": "cp ddp.safetensors && sync"}
-        print(f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes) in {scratch.parent}, {args.runs} interleaved run(s),"
-              " inputs re-read before each run\n")  # fmt: skip
+        print(
+            f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes) in {scratch.parent}, {args.runs} interleaved run(s),"
+            " inputs re-read before each run\n"
+        )
         print("| command | min / median / max s | x cp | x cp && sync | x naive | peak RssAnon MiB |")
         print("|---|---|---:|---:|---:|---:|")
-        base = {"pt": "base_pt", "naive_pt": "base_pt", "st": "base_st", "naive_st": "base_st", "pt2st": "base_pt",
-                "naive_pt2st": "base_pt", "verify": "base_pt"}  # fmt: skip
+        base = {
+            "pt": "base_pt",
+            "naive_pt": "base_pt",
+            "st": "base_st",
+            "naive_st": "base_st",
+            "pt2st": "base_pt",
+            "naive_pt2st": "base_pt",
+            "verify": "base_pt",
+        }
         naive = {"pt": "naive_pt", "st": "naive_st", "pt2st": "naive_pt2st"}
         for name, _cmd, _out, tag in cases:
             ts = times[name]
             xcp = f"{med[name] / med[tags[base[tag]]]:.2f}" if tag in base and base[tag] in tags else ""
-            xsync = f"{med[name] / med[durable[base[tag]]]:.2f}" if tag in base and durable.get(base[tag]) in med else ""
+            xsync = (
+                f"{med[name] / med[durable[base[tag]]]:.2f}" if tag in base and durable.get(base[tag]) in med else ""
+            )
             xnaive = f"{med[name] / med[tags[naive[tag]]]:.2f}" if tag in naive and naive[tag] in tags else ""
             print(f"| {name} | {spread(ts)} | {xcp} | {xsync} | {xnaive} | {mems[name]} |")
     finally:

@@ -97,9 +97,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, runs=3, only_memory="only ckptkit's converts of the folder, once (for big --gib)")
     ap.add_argument("--naive", action="store_true", help="also torch's dcp_to_torch_save (whole state dict in memory)")
-    ap.add_argument("--pair", action="store_true",
-                    help="only the folder -> one file and the same weights' one file -> one file, alternated; "
-                         "prints every run's time (this disk's 2-3 s outliers hide a 5%% difference in medians)")  # fmt: skip
+    ap.add_argument(
+        "--pair",
+        action="store_true",
+        help="only the folder -> one file and the same weights' one file -> one file, alternated; "
+        "prints every run's time (this disk's 2-3 s outliers hide a 5%% difference in medians)",
+    )
     args = ap.parse_args()
     compile_ckptkit()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-dcp-"))
@@ -114,22 +117,43 @@ def main() -> int:
             subprocess.run([*ckptkit, str(src), str(flat)], check=True, capture_output=True)
         dcp_in, pt_in = list(src.iterdir()), [flat]
         # (name, command, output to clear, inputs to re-read, baseline rows: cp, cp && sync)
-        cases = [("ckptkit convert ckpt.dcp single.pt", [*ckptkit, str(src), str(out)], out, dcp_in, "dcp"),
-                 ("ckptkit convert ckpt.dcp hf/ (200MB shards)", [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB"],
-                  shards, dcp_in, "dcp")]  # fmt: skip
+        cases = [
+            ("ckptkit convert ckpt.dcp single.pt", [*ckptkit, str(src), str(out)], out, dcp_in, "dcp"),
+            (
+                "ckptkit convert ckpt.dcp hf/ (200MB shards)",
+                [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB"],
+                shards,
+                dcp_in,
+                "dcp",
+            ),
+        ]
         if not args.only_memory:
             cases = [
                 ("cp -r ckpt.dcp", ["cp", "-r", str(src), str(copy)], copy, dcp_in, ""),
                 ("cp -r ckpt.dcp && sync", ["sh", "-c", f"cp -r {src} {copy} && sync {copy}/*"], copy, dcp_in, ""),
                 *cases,
                 ("cp single.pt", ["cp", str(flat), str(flat_copy)], flat_copy, pt_in, ""),
-                ("cp single.pt && sync", ["sh", "-c", f"cp {flat} {flat_copy} && sync {flat_copy}"], flat_copy, pt_in, ""),
-                ("ckptkit convert single.pt out.pt (the same weights)", [*ckptkit, str(flat), str(flat_out)], flat_out, pt_in, "pt"),
-            ]  # fmt: skip
+                (
+                    "cp single.pt && sync",
+                    ["sh", "-c", f"cp {flat} {flat_copy} && sync {flat_copy}"],
+                    flat_copy,
+                    pt_in,
+                    "",
+                ),
+                (
+                    "ckptkit convert single.pt out.pt (the same weights)",
+                    [*ckptkit, str(flat), str(flat_out)],
+                    flat_out,
+                    pt_in,
+                    "pt",
+                ),
+            ]
         if args.pair:
             cases = [c for c in cases if c[0].startswith("ckptkit convert") and "hf/" not in c[0]]
         if args.naive:
-            cases.append(("torch dcp_to_torch_save", [sys.executable, "-c", NAIVE, str(src), str(out)], out, dcp_in, "dcp"))
+            cases.append(
+                ("torch dcp_to_torch_save", [sys.executable, "-c", NAIVE, str(src), str(out)], out, dcp_in, "dcp")
+            )
         times: dict[str, list[float]] = {c[0]: [] for c in cases}
         mems: dict[str, int] = dict.fromkeys(times, 0)
         for name, cmd, target, inputs, _ in rounds(cases, 1 if args.only_memory else args.runs):
@@ -144,8 +168,10 @@ def main() -> int:
             mems[name] = max(mems[name], m)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         base = {"dcp": ("cp -r ckpt.dcp", "cp -r ckpt.dcp && sync"), "pt": ("cp single.pt", "cp single.pt && sync")}
-        print(f"\nDCP folder: {size / 2**30:.2f} GiB in {len(dcp_in)} files ({size:,} bytes), saved by FSDP2 on 2 ranks; "
-              f"{args.runs if not args.only_memory else 1} interleaved run(s), inputs re-read before each\n")  # fmt: skip
+        print(
+            f"\nDCP folder: {size / 2**30:.2f} GiB in {len(dcp_in)} files ({size:,} bytes), saved by FSDP2 on 2 ranks; "
+            f"{args.runs if not args.only_memory else 1} interleaved run(s), inputs re-read before each\n"
+        )
         print("| command | min / median / max s | x cp | x cp && sync | peak RssAnon MiB |")
         print("|---|---|---:|---:|---:|")
         for name, _, _, _, kind in cases:

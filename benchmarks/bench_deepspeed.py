@@ -50,9 +50,20 @@ convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2], safe_serial
 def gpt_params(gib: float) -> list[tuple[str, tuple[int, ...]]]:
     """Name and shape of every parameter of bench_convert.py's GPT-like model, in state_dict order."""
     d, vocab, ff, layers = gpt_dims(gib)
-    block = [("ln1.weight", (d,)), ("ln1.bias", (d,)), ("qkv.weight", (3 * d, d)), ("qkv.bias", (3 * d,)),
-             ("proj.weight", (d, d)), ("proj.bias", (d,)), ("ln2.weight", (d,)), ("ln2.bias", (d,)),
-             ("up.weight", (ff, d)), ("up.bias", (ff,)), ("down.weight", (d, ff)), ("down.bias", (d,))]  # fmt: skip
+    block = [
+        ("ln1.weight", (d,)),
+        ("ln1.bias", (d,)),
+        ("qkv.weight", (3 * d, d)),
+        ("qkv.bias", (3 * d,)),
+        ("proj.weight", (d, d)),
+        ("proj.bias", (d,)),
+        ("ln2.weight", (d,)),
+        ("ln2.bias", (d,)),
+        ("up.weight", (ff, d)),
+        ("up.bias", (ff,)),
+        ("down.weight", (d, ff)),
+        ("down.bias", (d,)),
+    ]
     names = [("embed.weight", (vocab, d))] + [(f"layers.{i}.{n}", s) for i in range(layers) for n, s in block]
     return names + [("ln_f.weight", (d,)), ("ln_f.bias", (d,)), ("head.weight", (vocab, d))]
 
@@ -63,7 +74,9 @@ def _values(index: int, shape: tuple[int, ...]) -> Any:
     return torch.randn(math.prod(shape), generator=torch.Generator().manual_seed(index))  # the fp32 master, flat
 
 
-def make_zero3(folder: Path, gib: float, *, optim_states: bool = True, extra: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> None:
+def make_zero3(
+    folder: Path, gib: float, *, optim_states: bool = True, extra: tuple[tuple[str, tuple[int, ...]], ...] = ()
+) -> None:
     """Write a ZeRO-3 folder (``latest`` and ``global_step3/``) of 2 ranks, bf16 mode, as DeepSpeed 0.19.8 does.
 
     ``extra``: more parameters (odd sizes: a rank's chunk then ends in padding).
@@ -74,22 +87,48 @@ def make_zero3(folder: Path, gib: float, *, optim_states: bool = True, extra: tu
 
     params = gpt_params(gib) + list(extra)
     # Two groups, as trainers build them: matrices decay, biases and norms do not.
-    groups = [[(i, n, s) for i, (n, s) in enumerate(params) if len(s) == 2], [(i, n, s) for i, (n, s) in enumerate(params) if len(s) == 1]]
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-              "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}  # fmt: skip
+    groups = [
+        [(i, n, s) for i, (n, s) in enumerate(params) if len(s) == 2],
+        [(i, n, s) for i, (n, s) in enumerate(params) if len(s) == 1],
+    ]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+    }
     step = folder / TAG
     step.mkdir(parents=True)
     (folder / "latest").write_text(TAG)  # no newline, as DeepSpeed writes it
     for rank in range(WORLD):
-        module = OrderedDict((n, torch.empty(0, dtype=torch.bfloat16)) for n, _ in params)  # each its own 0-byte storage
-        torch.save({"module": module, "buffer_names": [], "optimizer": None,
-                    "param_shapes": [OrderedDict((n, torch.Size(s)) for _, n, s in g) for g in groups],
-                    "frozen_param_shapes": OrderedDict(), "shared_params": {}, "frozen_param_fragments": OrderedDict(),
-                    "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0,
-                    "global_steps": 3, "global_samples": 12, "dp_world_size": WORLD, "mp_world_size": 1,
-                    "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}, "ds_config": config,
-                    "ds_version": "0.19.8"}, step / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")  # fmt: skip
+        module = OrderedDict(
+            (n, torch.empty(0, dtype=torch.bfloat16)) for n, _ in params
+        )  # each its own 0-byte storage
+        torch.save(
+            {
+                "module": module,
+                "buffer_names": [],
+                "optimizer": None,
+                "param_shapes": [OrderedDict((n, torch.Size(s)) for _, n, s in g) for g in groups],
+                "frozen_param_shapes": OrderedDict(),
+                "shared_params": {},
+                "frozen_param_fragments": OrderedDict(),
+                "lr_scheduler": None,
+                "data_sampler": None,
+                "random_ltd": None,
+                "skipped_steps": 0,
+                "global_steps": 3,
+                "global_samples": 12,
+                "dp_world_size": WORLD,
+                "mp_world_size": 1,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+                "ds_config": config,
+                "ds_version": "0.19.8",
+            },
+            step / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+        )
         flats = []
         for g, group in enumerate(groups):
             # Each parameter is partitioned on its own: ceil(numel / world) per rank, the padding at
@@ -104,16 +143,40 @@ def make_zero3(folder: Path, gib: float, *, optim_states: bool = True, extra: tu
             flat.requires_grad_(True)
             flat.ds_id = f"{g + 1}_{len(group) + g}"  # type: ignore[attr-defined]  # a Python attribute: pickled via _rebuild_from_type_v2
             flats.append(flat)
-        state = {g: {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(f.detach()) if optim_states else torch.zeros(0),
-                     "exp_avg_sq": torch.zeros_like(f.detach()) if optim_states else torch.zeros(0)} for g, f in enumerate(flats)}  # fmt: skip
-        hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-08, "amsgrad": False, "maximize": False, "foreach": None,
-                 "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}  # fmt: skip
+        state = {
+            g: {
+                "step": torch.tensor(3.0),
+                "exp_avg": torch.zeros_like(f.detach()) if optim_states else torch.zeros(0),
+                "exp_avg_sq": torch.zeros_like(f.detach()) if optim_states else torch.zeros(0),
+            }
+            for g, f in enumerate(flats)
+        }
+        hyper = {
+            "lr": 1e-4,
+            "betas": (0.9, 0.999),
+            "eps": 1e-08,
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": None,
+            "decoupled_weight_decay": True,
+        }
         param_groups = [{"weight_decay": 0.01 if g == 0 else 0.0, **hyper, "params": [g]} for g in range(len(flats))]
-        osd = {"zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0), "dynamic_loss_scale": False, "overflow": False,
-               "partition_count": WORLD, "optimizer_state_dict": {"state": state, "param_groups": param_groups},
-               "fp32_flat_groups": flats}  # fmt: skip
-        torch.save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": "0.19.8"},
-                   step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")  # fmt: skip
+        osd = {
+            "zero_stage": ZeroStageEnum.weights,
+            "loss_scaler": LossScaler(1.0),
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "partition_count": WORLD,
+            "optimizer_state_dict": {"state": state, "param_groups": param_groups},
+            "fp32_flat_groups": flats,
+        }
+        torch.save(
+            {"optimizer_state_dict": osd, "ds_config": config, "ds_version": "0.19.8"},
+            step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+        )
         del flats, state, osd
 
 
@@ -126,18 +189,26 @@ def check(scratch: Path) -> None:
     make_zero3(folder, 0.02, extra=(("odd.weight", (7, 13)), ("odd.bias", (9,))))  # padded chunks too
     real = Path(__file__).resolve().parent.parent / "fixtures/deepspeed/bf16/zero3" / TAG
     for kind in ("model_states", "optim_states"):  # the same globals as DeepSpeed's own files
-        ours = {g for p in (folder / TAG).glob(f"*{kind}.pt") for g in torch.serialization.get_unsafe_globals_in_checkpoint(p)}
+        ours = {
+            g
+            for p in (folder / TAG).glob(f"*{kind}.pt")
+            for g in torch.serialization.get_unsafe_globals_in_checkpoint(p)
+        }
         theirs = {g for p in real.glob(f"*{kind}.pt") for g in torch.serialization.get_unsafe_globals_in_checkpoint(p)}
         assert ours == theirs, (kind, ours, theirs)
     expected = get_fp32_state_dict_from_zero_checkpoint(str(folder))
-    subprocess.run([sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)], check=True, capture_output=True
+    )
     got = torch.load(out, weights_only=True)
     assert list(got) == list(expected), "keys or their order differ"
     for k, v in expected.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
     n = sum(v.numel() for v in expected.values())
-    print(f"--check: deepspeed's get_fp32_state_dict_from_zero_checkpoint == ckptkit convert, exactly: "
-          f"{len(expected)} tensors, {n:,} fp32 values, keys in the same order; pickled globals as in fixtures/deepspeed")  # fmt: skip
+    print(
+        f"--check: deepspeed's get_fp32_state_dict_from_zero_checkpoint == ckptkit convert, exactly: "
+        f"{len(expected)} tensors, {n:,} fp32 values, keys in the same order; pickled globals as in fixtures/deepspeed"
+    )
 
 
 def main() -> int:
@@ -160,14 +231,25 @@ def main() -> int:
         copy, out, shards = scratch / "copy", scratch / "single.pt", scratch / "hf"
         ckptkit = [sys.executable, "-m", "ckptkit.cli", "convert"]
         # (name, command, output to clear, baseline rows)
-        cases = [("ckptkit convert zero3/ single.pt", [*ckptkit, str(src), str(out)], out, True),
-                 ("ckptkit convert zero3/ hf/ (200MB shards)", [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB"],
-                  shards, True)]  # fmt: skip
+        cases = [
+            ("ckptkit convert zero3/ single.pt", [*ckptkit, str(src), str(out)], out, True),
+            (
+                "ckptkit convert zero3/ hf/ (200MB shards)",
+                [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB"],
+                shards,
+                True,
+            ),
+        ]
         if not args.only_memory:
-            cases = [("cp -r zero3", ["cp", "-r", str(src), str(copy)], copy, False),
-                     ("cp -r zero3 && sync", ["sh", "-c", f"cp -r {src} {copy} && sync {copy}/{TAG}/*"], copy, False), *cases]  # fmt: skip
+            cases = [
+                ("cp -r zero3", ["cp", "-r", str(src), str(copy)], copy, False),
+                ("cp -r zero3 && sync", ["sh", "-c", f"cp -r {src} {copy} && sync {copy}/{TAG}/*"], copy, False),
+                *cases,
+            ]
         if args.naive:
-            cases.append(("deepspeed zero_to_fp32 (--naive)", [sys.executable, "-c", NAIVE, str(src), str(out)], out, True))
+            cases.append(
+                ("deepspeed zero_to_fp32 (--naive)", [sys.executable, "-c", NAIVE, str(src), str(out)], out, True)
+            )
         times: dict[str, list[float]] = {c[0]: [] for c in cases}
         mems: dict[str, int] = dict.fromkeys(times, 0)
         for name, cmd, target, _ in rounds(cases, 1 if args.only_memory else args.runs):
@@ -180,9 +262,11 @@ def main() -> int:
             mems[name] = max(mems[name], m)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         base = ("cp -r zero3", "cp -r zero3 && sync")
-        print(f"\nZeRO-3 folder (synthetic, DeepSpeed 0.19.8 layout, bf16 run, {WORLD} ranks): {weights / 2**30:.2f} GiB of fp32 "
-              f"weights, {size / 2**30:.2f} GiB in {len(files)} files with Adam states ({size:,} bytes); "
-              f"{1 if args.only_memory else args.runs} interleaved run(s), inputs re-read before each\n")  # fmt: skip
+        print(
+            f"\nZeRO-3 folder (synthetic, DeepSpeed 0.19.8 layout, bf16 run, {WORLD} ranks): {weights / 2**30:.2f} GiB of fp32 "
+            f"weights, {size / 2**30:.2f} GiB in {len(files)} files with Adam states ({size:,} bytes); "
+            f"{1 if args.only_memory else args.runs} interleaved run(s), inputs re-read before each\n"
+        )
         print("| command | min / median / max s | x cp -r | x cp -r && sync | peak RssAnon MiB |")
         print("|---|---|---:|---:|---:|")
         for name, _, _, vs_cp in cases:

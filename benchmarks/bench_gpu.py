@@ -122,7 +122,9 @@ def loaders(path: Path, device: str) -> dict[str, Callable[[], dict[str, torch.T
     return {
         "ckptkit load_for_rank(map_location=cuda)": lambda: ckptkit.load_for_rank(path, map_location=device),
         "torch.load(map_location=cuda)": lambda: torch.load(path, map_location=device, weights_only=True),
-        "torch.load(map_location=cuda, mmap=True)": lambda: torch.load(path, map_location=device, weights_only=True, mmap=True),
+        "torch.load(map_location=cuda, mmap=True)": lambda: torch.load(
+            path, map_location=device, weights_only=True, mmap=True
+        ),
     }
 
 
@@ -143,10 +145,17 @@ def _rounds(names: list[str], runs: int, once: Callable[[str], float]) -> dict[s
 
 def _table(title: str, times: dict[str, list[float]], nbytes: int, ours: str) -> list[str]:
     base = statistics.median(times[ours])
-    lines = [f"### {title}", "", "| | s (min / median / max) | GB/s (median) | ckptkit / this (median) |", "|---|---|---:|---:|"]
+    lines = [
+        f"### {title}",
+        "",
+        "| | s (min / median / max) | GB/s (median) | ckptkit / this (median) |",
+        "|---|---|---:|---:|",
+    ]
     for name, xs in times.items():
         med = statistics.median(xs)
-        lines.append(f"| {name} | {min(xs):.3f} / {med:.3f} / {max(xs):.3f} | {nbytes / 1e9 / med:.2f} | {base / med:.2f} |")
+        lines.append(
+            f"| {name} | {min(xs):.3f} / {med:.3f} / {max(xs):.3f} | {nbytes / 1e9 / med:.2f} | {base / med:.2f} |"
+        )
     return lines + [""]
 
 
@@ -168,7 +177,9 @@ def bench(gib: float, runs: int, folder: Path, device: str) -> tuple[list[str], 
             clear(bg[name]()[1])
         times = _rounds(list(bg), runs, lambda name: _then_clear(bg[name]))
         report["async_blocking"] = times
-        lines += _table("Background save: time the training thread is blocked", times, nbytes, "ckptkit AsyncSaver.save")
+        lines += _table(
+            "Background save: time the training thread is blocked", times, nbytes, "ckptkit AsyncSaver.save"
+        )
 
         _, path = save["ckptkit save_on_master"]()
         load = loaders(path, device)
@@ -188,7 +199,9 @@ def bench(gib: float, runs: int, folder: Path, device: str) -> tuple[list[str], 
 
         times = _rounds(list(load), runs, one_load)
         report["load"] = times
-        lines += _table("Load onto the GPU (pages read first)", times, nbytes, "ckptkit load_for_rank(map_location=cuda)")
+        lines += _table(
+            "Load onto the GPU (pages read first)", times, nbytes, "ckptkit load_for_rank(map_location=cuda)"
+        )
     finally:
         shutil.rmtree(out, ignore_errors=True)
         del sd
@@ -214,8 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines), flush=True)
         reports.append(report)
     if args.json is not None:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                         "filesystem": fs, "runs": reports}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(0),
+                    "torch": torch.__version__,
+                    "filesystem": fs,
+                    "runs": reports,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

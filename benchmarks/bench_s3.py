@@ -39,7 +39,10 @@ def make_checkpoint(path: Path, gib: float) -> None:
 
     n = int(gib * 2**30 / 4 / 4)
     g = torch.Generator().manual_seed(0)
-    torch.save({f"module.layer{i}.weight": torch.randn(n, generator=g) for i in range(4)} | {"module.bias": torch.zeros(7)}, path)
+    torch.save(
+        {f"module.layer{i}.weight": torch.randn(n, generator=g) for i in range(4)} | {"module.bias": torch.zeros(7)},
+        path,
+    )
 
 
 def start_server() -> tuple[object, str]:
@@ -61,8 +64,13 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     args = ap.parse_args()
     server, endpoint = start_server()
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=endpoint, OMP_NUM_THREADS="1")  # fmt: skip
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+        OMP_NUM_THREADS="1",
+    )
     root = Path(__file__).resolve().parent.parent
     os.environ["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
     import s3fs
@@ -79,9 +87,25 @@ def main() -> int:
         s3fs.S3FileSystem().put_file(str(src), url)  # the s3 -> local source, untimed
         py = sys.executable
         cases = {
-            "ckptkit convert s3:// -> local": [py, "-m", "ckptkit.cli", "convert", url, str(scratch / "out.pt"), "--force"],
+            "ckptkit convert s3:// -> local": [
+                py,
+                "-m",
+                "ckptkit.cli",
+                "convert",
+                url,
+                str(scratch / "out.pt"),
+                "--force",
+            ],
             "s3fs get_file": [py, "-c", S3FS_GET, url, str(scratch / "got.pt")],
-            "ckptkit convert local -> s3://": [py, "-m", "ckptkit.cli", "convert", str(src), f"s3://{BUCKET}/single.pt", "--force"],
+            "ckptkit convert local -> s3://": [
+                py,
+                "-m",
+                "ckptkit.cli",
+                "convert",
+                str(src),
+                f"s3://{BUCKET}/single.pt",
+                "--force",
+            ],
             "s3fs put_file": [py, "-c", S3FS_PUT, str(src), f"s3://{BUCKET}/put.pt"],
         }
         times: dict[str, list[float]] = {name: [] for name in cases}
@@ -95,7 +119,9 @@ def main() -> int:
                 (scratch / leftover).unlink(missing_ok=True)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         base = {"ckptkit convert s3:// -> local": "s3fs get_file", "ckptkit convert local -> s3://": "s3fs put_file"}
-        print(f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes), local moto S3 server, {args.runs} interleaved run(s)")
+        print(
+            f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes), local moto S3 server, {args.runs} interleaved run(s)"
+        )
         print("| command | min / median / max s | x s3fs | peak RssAnon MiB |")
         print("|---|---|---:|---:|")
         for name, ts in times.items():

@@ -73,7 +73,9 @@ def clear(path: Path) -> None:
         path.unlink()
 
 
-def peers(model: torch.nn.Module, opt: Any, out: Path, training: bool) -> dict[str, tuple[Callable[[], Path], Callable[[Path], None], bool]]:
+def peers(
+    model: torch.nn.Module, opt: Any, out: Path, training: bool
+) -> dict[str, tuple[Callable[[], Path], Callable[[Path], None], bool]]:
     """name -> (save, load, fsyncs itself). ``save`` returns what it wrote."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
@@ -100,7 +102,11 @@ def peers(model: torch.nn.Module, opt: Any, out: Path, training: bool) -> dict[s
 
     found["ckptkit"] = (ck_save, ck_load, True)
     if not training:  # the same file, loaded after every CRC is checked
-        found["ckptkit, load verify=True"] = (ck_save, lambda p: ckptkit.load_for_rank(p, model=model, verify=True), True)
+        found["ckptkit, load verify=True"] = (
+            ck_save,
+            lambda p: ckptkit.load_for_rank(p, model=model, verify=True),
+            True,
+        )
 
     def torch_save() -> Path:
         torch.save(state, out / "torch.pt")
@@ -114,6 +120,7 @@ def peers(model: torch.nn.Module, opt: Any, out: Path, training: bool) -> dict[s
 
     found["torch.save / torch.load(mmap)"] = (torch_save, torch_load, False)
     if not training:
+
         def st_save() -> Path:
             save_file(sd, out / "model.safetensors")
             return out / "model.safetensors"
@@ -175,7 +182,9 @@ def main() -> int:
             p.grad = torch.zeros_like(p)
         opt.step()
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    moments = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+    moments = sum(
+        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+    )
     nbytes = weights + moments  # the tensor bytes each save writes
     out = Path(tempfile.mkdtemp(dir=args.dir, prefix="bench-save-"))
     try:
@@ -197,11 +206,15 @@ def main() -> int:
                     found[lname][1](written)
                     loads[lname].append(time.perf_counter() - start)
                 clear(written)
-        print(f"{'training state (model + AdamW)' if args.training else 'state dict'}: {weights / 2**30:.2f} GiB of weights"
-              f" in {len(model.state_dict())} tensors, {nbytes / 2**30:.2f} GiB of tensors in all, {args.runs} interleaved"
-              f" runs, in {args.dir}")  # fmt: skip
+        print(
+            f"{'training state (model + AdamW)' if args.training else 'state dict'}: {weights / 2**30:.2f} GiB of weights"
+            f" in {len(model.state_dict())} tensors, {nbytes / 2**30:.2f} GiB of tensors in all, {args.runs} interleaved"
+            f" runs, in {args.dir}"
+        )
         ck_save, ck_load = statistics.median(saves["ckptkit"]), statistics.median(loads["ckptkit"])
-        print("| peer | save s (min / median / max) | save GB/s | fsyncs itself | ckptkit save x | load s (min / median / max) | ckptkit load x |")
+        print(
+            "| peer | save s (min / median / max) | save GB/s | fsyncs itself | ckptkit save x | load s (min / median / max) | ckptkit load x |"
+        )
         print("|---|---|---:|---|---:|---|---:|")
         for name, (_, _, self_sync) in found.items():
             s, lo = saves[name], loads[name]
@@ -209,7 +222,9 @@ def main() -> int:
             gbps = nbytes / 1e9 / statistics.median(s) if s else 0
             sx = f"{ck_save / statistics.median(s):.2f}" if s else ""
             lx = f"{ck_load / statistics.median(lo):.2f}" if lo else ""
-            print(f"| {name} | {fmt(s)} | {gbps:.2f} | {'yes' if self_sync else 'no (added)'} | {sx} | {fmt(lo)} | {lx} |")
+            print(
+                f"| {name} | {fmt(s)} | {gbps:.2f} | {'yes' if self_sync else 'no (added)'} | {sx} | {fmt(lo)} | {lx} |"
+            )
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return 0

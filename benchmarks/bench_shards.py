@@ -40,7 +40,9 @@ from benchmarks.bench_convert import (
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, runs=3, only_memory="only the ckptkit convert (for big --gib)")
-    ap.add_argument("--max-shard-size", default="200MB", help="shard size for ckptkit (default: 200MB, ~5 shards a GiB)")
+    ap.add_argument(
+        "--max-shard-size", default="200MB", help="shard size for ckptkit (default: 200MB, ~5 shards a GiB)"
+    )
     args = ap.parse_args()
     compile_ckptkit()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-"))
@@ -58,7 +60,12 @@ def main() -> int:
             ("ckptkit convert ddp.pt single.pt", [*ck, str(single)], [pt], "file"),
             ("cp -r shards/", ["cp", "-r", str(ref), str(ref_copy)], refs, ""),
             ("cp -r shards/ && sync", ["sh", "-c", f"cp -r {ref} {ref_copy} && sync {ref_copy}/*"], refs, ""),
-            (f"ckptkit convert ddp.pt out/ --max-shard-size {args.max_shard_size}", [*ck, f"{out}/", *shard_args], [pt], "shards"),
+            (
+                f"ckptkit convert ddp.pt out/ --max-shard-size {args.max_shard_size}",
+                [*ck, f"{out}/", *shard_args],
+                [pt],
+                "shards",
+            ),
         ]
         if args.only_memory:
             cases = cases[-1:]
@@ -73,7 +80,9 @@ def main() -> int:
                 warm(path)
             results[name].append(run(cmd))
         size = pt.stat().st_size
-        print(f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes); {args.runs} interleaved run(s); ckptkit writes {len(refs)} files")
+        print(
+            f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes); {args.runs} interleaved run(s); ckptkit writes {len(refs)} files"
+        )
         print("x cp: against the cp of the same output shape (one file, or the same shard files)\n")
         print("| command | min / median / max s | x cp | x cp && sync | peak RssAnon MiB |")
         print("|---|---|---:|---:|---:|")

@@ -25,17 +25,45 @@ ROOT = Path(__file__).resolve().parent.parent
 def wide_model() -> object:
     import torch.nn as nn
 
-    return nn.Sequential(nn.Linear(32, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(32, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 10),
+    )
 
 
 def run(out: Path, nproc: int, *extra: str) -> list[dict]:
-    args = ["-m", "ckptkit.train", "--out", str(out), "--model", "benchmarks.bench_train:wide_model",
-            "--max-steps", "200", "--epochs", "10", "--save-every", "50", "--log-every", "10", *extra]  # fmt: skip
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    args = [
+        "-m",
+        "ckptkit.train",
+        "--out",
+        str(out),
+        "--model",
+        "benchmarks.bench_train:wide_model",
+        "--max-steps",
+        "200",
+        "--epochs",
+        "10",
+        "--save-every",
+        "50",
+        "--log-every",
+        "10",
+        *extra,
+    ]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
     started = time.perf_counter()
-    subprocess.run([*launcher, *args], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [*launcher, *args], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records.append({"event": "wall", "seconds": time.perf_counter() - started})
     return records
@@ -62,17 +90,25 @@ def summarize(records: list[dict]) -> dict[str, float]:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ckptkit-bench-train-") as tmp:
         rows = []
-        for name, nproc, extra in [("1 process, sync save", 1, []), ("1 process, async save", 1, ["--async-save"]),
-                                   ("2 processes, sync save", 2, []), ("2 processes, async save", 2, ["--async-save"])]:  # fmt: skip
+        for name, nproc, extra in [
+            ("1 process, sync save", 1, []),
+            ("1 process, async save", 1, ["--async-save"]),
+            ("2 processes, sync save", 2, []),
+            ("2 processes, async save", 2, ["--async-save"]),
+        ]:
             out = Path(tmp) / name.replace(" ", "_").replace(",", "")
             s = summarize(run(out, nproc, *extra))
             s["ckpt_mb"] = max(p.stat().st_size for p in (out / "checkpoints").glob("step_*.pt")) / 1e6
             rows.append((name, s))
-    print(f"\n200 optimizer steps, batch 64 per process, a save every 50 steps, checkpoint {rows[0][1]['ckpt_mb']:.0f} MB\n")
+    print(
+        f"\n200 optimizer steps, batch 64 per process, a save every 50 steps, checkpoint {rows[0][1]['ckpt_mb']:.0f} MB\n"
+    )
     print("| run | saves | median wait per save s | time lost to saving | of training time | samples/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, s in rows:
-        print(f"| {name} | {s['saves']} | {s['median_block_s']:.3f} | {s['lost_s']:.2f} s | {100 * s['lost_frac']:.1f}% | {s['samples_per_s']:.0f} |")
+        print(
+            f"| {name} | {s['saves']} | {s['median_block_s']:.3f} | {s['lost_s']:.2f} s | {100 * s['lost_frac']:.1f}% | {s['samples_per_s']:.0f} |"
+        )
     one = rows[0][1]["samples_per_s"]
     two = rows[2][1]["samples_per_s"]
     print(f"\n2 vs 1 process throughput (sync runs): {two / one:.2f}x on {os.cpu_count()} cores")

@@ -56,8 +56,10 @@ def last_step(out: Path) -> int:
 def seconds_per_epoch(folder: Path, device: str, configs: list[str]) -> float:
     """Two epochs of every configuration at once, timed: about the load of the runs to come, which
     run two per configuration."""
-    procs = {name: start(command(folder / f"probe-{name}", device, 2, CONFIGS[name]), folder / f"probe-{name}")
-             for name in configs}  # fmt: skip
+    procs = {
+        name: start(command(folder / f"probe-{name}", device, 2, CONFIGS[name]), folder / f"probe-{name}")
+        for name in configs
+    }
     per_epoch = []
     for name, proc in procs.items():
         if proc.wait(timeout=300) != 0:
@@ -109,7 +111,9 @@ def run_config(name: str, folder: Path, device: str, epochs: int, kill_at: float
     target = int(total * kill_at)
     while last_step(killed) < target:
         if b.poll() is not None:
-            raise RuntimeError(f"{name}: the run to be killed ended ({b.returncode}) before step {target}; see {killed}")
+            raise RuntimeError(
+                f"{name}: the run to be killed ended ({b.returncode}) before step {target}; see {killed}"
+            )
         time.sleep(0.005)
     kill_tree(b.pid, signal.SIGKILL)
     b.wait()
@@ -120,10 +124,19 @@ def run_config(name: str, folder: Path, device: str, epochs: int, kill_at: float
     seconds = time.monotonic() - t0
     resumed = [r for r in records(killed) if r.get("event") == "resumed"]
     compared, bad = differences(straight, killed) if codes == (0, 0) else (0, [f"exit codes {codes}"])
-    return {"config": name, "args": " ".join(extra), "epochs": epochs, "steps": total, "wall_s": round(seconds, 1),
-            "killed_after_step": killed_after, "checkpoints_at_kill": saved[-2:],
-            "resumed_from_step": resumed[-1]["step"] if resumed else None, "compared": compared, "differ": bad[:10],
-            "bit_identical": not bad and compared > 0 and bool(resumed)}  # fmt: skip
+    return {
+        "config": name,
+        "args": " ".join(extra),
+        "epochs": epochs,
+        "steps": total,
+        "wall_s": round(seconds, 1),
+        "killed_after_step": killed_after,
+        "checkpoints_at_kill": saved[-2:],
+        "resumed_from_step": resumed[-1]["step"] if resumed else None,
+        "compared": compared,
+        "differ": bad[:10],
+        "bit_identical": not bad and compared > 0 and bool(resumed),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,16 +153,25 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.out, ignore_errors=True)
     per_epoch = seconds_per_epoch(args.out, args.device, args.configs)
     epochs = max(2, math.ceil(args.seconds / per_epoch))
-    print(f"probe: {per_epoch:.2f} s an epoch of {STEPS_PER_EPOCH} steps on {args.device}: {epochs} epochs a run", flush=True)
+    print(
+        f"probe: {per_epoch:.2f} s an epoch of {STEPS_PER_EPOCH} steps on {args.device}: {epochs} epochs a run",
+        flush=True,
+    )
     with ThreadPoolExecutor(len(args.configs)) as pool:  # side by side: each run leaves the GPU mostly idle
-        results = list(pool.map(lambda name: run_config(name, args.out, args.device, epochs, args.kill_at), args.configs))
+        results = list(
+            pool.map(lambda name: run_config(name, args.out, args.device, epochs, args.kill_at), args.configs)
+        )
     for r in results:
         print(json.dumps(r))
-    print("\n| config | steps | wall s (both runs) | killed after step | resumed from step | leaves compared | bit-identical |")
+    print(
+        "\n| config | steps | wall s (both runs) | killed after step | resumed from step | leaves compared | bit-identical |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     for r in results:
-        print(f"| `{r['args']}` | {r['steps']} | {r['wall_s']} | {r['killed_after_step']} | {r['resumed_from_step']} |"
-              f" {r['compared']} | {'yes' if r['bit_identical'] else 'NO ' + ', '.join(r['differ'])} |")  # fmt: skip
+        print(
+            f"| `{r['args']}` | {r['steps']} | {r['wall_s']} | {r['killed_after_step']} | {r['resumed_from_step']} |"
+            f" {r['compared']} | {'yes' if r['bit_identical'] else 'NO ' + ', '.join(r['differ'])} |"
+        )
     return 0 if all(r["bit_identical"] for r in results) else 1
 
 

@@ -49,37 +49,43 @@ class Section:
 
 SECTIONS = [
     Section(
-        "crc", "CRC-32",
+        "crc",
+        "CRC-32",
         "Every byte ckptkit checks (convert, verify, `load_for_rank(verify=True)`) goes through one CRC-32 "
         "function: ISA-L's where the `isal` wheel exists, `zlib`'s elsewhere, with the same values.",
         (("bench_crc.py",),),
     ),
     Section(
-        "convert-disk", "`convert`, `inspect`, `verify`: one file on disk",
+        "convert-disk",
+        "`convert`, `inspect`, `verify`: one file on disk",
         "A GPT-like DDP state dict (`module.` keys, fp32, ~1 GiB) in whole processes, each input re-read untimed "
-        "before each run. `convert` checks every copied byte against the source's CRC-32. \"x naive\" is the "
+        'before each run. `convert` checks every copied byte against the source\'s CRC-32. "x naive" is the '
         "convert over the few lines users write by hand (`torch.load`, strip, `torch.save` / `save_file`).",
         (("bench_convert.py", "--runs", "5", "--dir", "{disk}"),),
     ),
     Section(
-        "convert-tmpfs", "`convert`, `inspect`, `verify`: one file on tmpfs",
+        "convert-tmpfs",
+        "`convert`, `inspect`, `verify`: one file on tmpfs",
         "The same commands in memory (tmpfs), where `cp` costs no disk writeback and ckptkit's own work shows.",
         (("bench_convert.py", "--runs", "5", "--dir", "{shm}"),),
     ),
     Section(
-        "shards", "Hugging Face shards",
+        "shards",
+        "Hugging Face shards",
         "The ~1 GiB DDP `.pt` converted to one file and to 200MB Hugging Face shards. Each convert is set "
         "against the `cp` of the same output shape: the shards against `cp -r` of the same shard files.",
         (("bench_shards.py", "--runs", "8", "--dir", "{disk}"),),
     ),
     Section(
-        "dcp", "DCP folders",
+        "dcp",
+        "DCP folders",
         "A GPT-like model saved by FSDP2 (`fully_shard`) on 2 gloo ranks, ~1 GiB in `.distcp` files, converted "
         "to one file and to shards; then the same weights as one `.pt` for the single-file baseline.",
         (("bench_dcp.py", "--gib", "1", "--runs", "6", "--dir", "{disk}"),),
     ),
     Section(
-        "deepspeed", "DeepSpeed ZeRO-3 to plain weights",
+        "deepspeed",
+        "DeepSpeed ZeRO-3 to plain weights",
         "A ZeRO-3 folder in DeepSpeed 0.19.8's exact layout (2 ranks of a bf16 run, Adam states included), written "
         "by the script because real ZeRO-3 training at these sizes does not fit a small CPU machine. The folder "
         "is about 3x the fp32 weights; convert reads only the fp32 partitions. `--naive` is DeepSpeed's "
@@ -87,7 +93,8 @@ SECTIONS = [
         (("bench_deepspeed.py", "--gib", "1", "--runs", "5", "--naive", "--dir", "{disk}"),),
     ),
     Section(
-        "s3", "Object storage (s3://)",
+        "s3",
+        "Object storage (s3://)",
         "`convert` to and from `s3://` against s3fs's own `get_file` / `put_file` of the same bytes, each a whole "
         "process, against a local moto S3 server on 127.0.0.1 (the client side is compared, not a network). "
         "ckptkit does more than the transfer: from S3 it downloads into a staging file in 32 MiB ranged GETs, then "
@@ -98,7 +105,8 @@ SECTIONS = [
         (("bench_s3.py", "--gib", "1", "--runs", "3"),),
     ),
     Section(
-        "memory", "Memory at 4 GiB",
+        "memory",
+        "Memory at 4 GiB",
         "Private memory of the converts at 4 GiB, one run each. Their times come after the scripts have "
         "written several GiB and are not speed figures.",
         (
@@ -108,14 +116,16 @@ SECTIONS = [
         ),
     ),
     Section(
-        "devices", "Speed devices, A/B",
+        "devices",
+        "Speed devices, A/B",
         "Each workload converts a ~1 GiB input in process (durable), with every speed device on and with each "
         "device that concerns it switched off. The last column is each variant's median over the all-on median "
         "(above 1: slower without the device).",
         (("bench_devices.py", "--gib", "1", "--runs", "7", "--dir", "{disk}"),),
     ),
     Section(
-        "save", "Saving and loading, against the peers",
+        "save",
+        "Saving and loading, against the peers",
         "One process, a model of 64 x 16 MiB fp32 weights, the peers interleaved. Every save is followed by an "
         "fsync where the peer does not fsync itself; every load reads a file whose pages were read just before "
         "and ends with the weights in a model. Accelerate and Lightning Fabric are included where installed. "
@@ -128,13 +138,14 @@ SECTIONS = [
         ),
     ),
     Section(
-        "train", "Training time lost to checkpointing",
+        "train",
+        "Training time lost to checkpointing",
         "The reference trainer on the built-in data with a wider MLP (8.5M parameters, ~100 MB checkpoints with "
-        "AdamW state). The trainer records each save's blocking time; \"time lost\" sums those waits. On a "
+        'AdamW state). The trainer records each save\'s blocking time; "time lost" sums those waits. On a '
         "machine with few cores, one process already uses them all, so 2 processes only split them.",
         (("bench_train.py",),),
     ),
-]  # fmt: skip
+]
 
 
 def machine(disk: Path) -> str:
@@ -155,11 +166,16 @@ def machine(disk: Path) -> str:
         if len(df) == 2
         else subprocess.run(["stat", "-f", "-c", "%T", str(disk)], capture_output=True, text=True).stdout.strip()
     )
-    torch = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, torch.cuda.is_available())"],
-                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    torch = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__, torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     gpu = "a CUDA GPU present (unused here)" if torch[1:] == ["True"] else "no GPU"
-    return (f"**Machine:** {os.cpu_count()} CPU cores ({cpu}), {ram}, scratch files on {fs} (`{disk}`) and tmpfs "
-            f"(`/dev/shm`), Python {platform.python_version()}, torch {torch[0] if torch else '?'}, {gpu}.")  # fmt: skip
+    return (
+        f"**Machine:** {os.cpu_count()} CPU cores ({cpu}), {ram}, scratch files on {fs} (`{disk}`) and tmpfs "
+        f"(`/dev/shm`), Python {platform.python_version()}, torch {torch[0] if torch else '?'}, {gpu}."
+    )
 
 
 def command_line(cmd: tuple[str, ...], disk: Path) -> list[str]:

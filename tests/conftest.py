@@ -66,4 +66,6 @@ def tally() -> Counter[str]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("--reliability-report")
     if path:
-        Path(path).write_text(json.dumps({"exitstatus": int(exitstatus), "tally": dict(sorted(TALLY.items()))}, indent=2))
+        Path(path).write_text(
+            json.dumps({"exitstatus": int(exitstatus), "tally": dict(sorted(TALLY.items()))}, indent=2)
+        )

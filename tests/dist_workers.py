@@ -80,7 +80,9 @@ class IndexedData(Dataset):  # type: ignore[type-arg]
         return self.x[i], self.y[i], i
 
 
-def train(rank: int, world: int, out: str, phase: str, total_steps: int, stop_at: int, batch: int = 4) -> dict[str, Any]:
+def train(
+    rank: int, world: int, out: str, phase: str, total_steps: int, stop_at: int, batch: int = 4
+) -> dict[str, Any]:
     """Train TinyNet under DDP; phase "straight" runs to the end, "first" saves at stop_at and
     returns, "resume" continues from that save to the end. Returns what each rank consumed."""
     torch.manual_seed(1000 + rank)  # per-rank RNG streams differ, so restoring the right one matters
@@ -97,7 +99,9 @@ def train(rank: int, world: int, out: str, phase: str, total_steps: int, stop_at
 
     step, epoch = 0, 0
     if phase == "resume":
-        state = ckptkit.load_training_state(ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler)
+        state = ckptkit.load_training_state(
+            ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler
+        )
         step, epoch = state.step, state.epoch
     consumed: list[tuple[int, int]] = []  # (epoch, sample index)
     while step < total_steps:
@@ -114,7 +118,14 @@ def train(rank: int, world: int, out: str, phase: str, total_steps: int, stop_at
             step += 1
             if phase == "first" and step == stop_at:
                 ckptkit.save_training_state(
-                    ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler, sampler=sampler, epoch=epoch, step=step
+                    ckpt,
+                    model=ddp,
+                    optimizer=opt,
+                    scheduler=sched,
+                    scaler=scaler,
+                    sampler=sampler,
+                    epoch=epoch,
+                    step=step,
                 )
                 return {"consumed": consumed}
             if step == total_steps:
@@ -122,7 +133,12 @@ def train(rank: int, world: int, out: str, phase: str, total_steps: int, stop_at
         epoch += 1
     if rank == 0:
         torch.save(
-            {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "scaler": scaler.state_dict()},
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "scaler": scaler.state_dict(),
+            },
             Path(out) / f"final_{phase}.pt",
         )
     # The next draw from each rank's RNG: equal only if each rank's stream was restored.

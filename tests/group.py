@@ -35,7 +35,9 @@ class RankResult:
         return self.status == "error" and name in self.error_types
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, rdzv: str, out: Any, args: tuple[Any, ...], env: dict[str, str]) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, rdzv: str, out: Any, args: tuple[Any, ...], env: dict[str, str]
+) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
     import torch.distributed as dist
@@ -47,7 +49,16 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, rdzv: str, out: Any, a
     try:
         value = fn(rank, world, *args)
     except BaseException as e:
-        out.put((rank, "error", None, tuple(c.__name__ for c in type(e).__mro__), f"{e}\n{traceback.format_exc()}", time.monotonic() - start))
+        out.put(
+            (
+                rank,
+                "error",
+                None,
+                tuple(c.__name__ for c in type(e).__mro__),
+                f"{e}\n{traceback.format_exc()}",
+                time.monotonic() - start,
+            )
+        )
     else:
         out.put((rank, "ok", value, (), "", time.monotonic() - start))
     finally:

@@ -26,7 +26,17 @@ from pathlib import Path
 # default (120 s) would make every requeue in these tests wait two minutes.
 CRED_EXPIRE_S = 10
 DAEMONS = ("munged", "slurmctld", "slurmd", "scontrol", "sbatch")
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def missing_binaries() -> list[str]:
@@ -102,16 +112,31 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
         env = {**os.environ, "SLURM_CONF": str(conf)}
         cluster = cls(root, env)
         try:
-            cluster._spawn(["munged", "--foreground", "--force", f"--socket={sock}", f"--key-file={key}",
-                            f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/log/munged.log",
-                            f"--seed-file={root}/munge/munged.seed"])  # fmt: skip
+            cluster._spawn(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--socket={sock}",
+                    f"--key-file={key}",
+                    f"--pid-file={root}/munge/munged.pid",
+                    f"--log-file={root}/log/munged.log",
+                    f"--seed-file={root}/munge/munged.seed",
+                ]
+            )
             cluster._wait(lambda: sock.exists(), "munged's socket", root / "log" / "munged.log")
             cluster._spawn(["slurmctld", "-D", "-i"])
-            cluster._wait(lambda: cluster.run("scontrol", "ping", check=False).returncode == 0, "slurmctld",
-                          root / "log" / "slurmctld.log")  # fmt: skip
+            cluster._wait(
+                lambda: cluster.run("scontrol", "ping", check=False).returncode == 0,
+                "slurmctld",
+                root / "log" / "slurmctld.log",
+            )
             cluster._spawn(["slurmd", "-D"])
-            cluster._wait(lambda: "idle" in cluster.run("sinfo", "-h", "-o", "%T").stdout, "an idle node",
-                          root / "log" / "slurmd.log")  # fmt: skip
+            cluster._wait(
+                lambda: "idle" in cluster.run("sinfo", "-h", "-o", "%T").stdout,
+                "an idle node",
+                root / "log" / "slurmd.log",
+            )
         except BaseException:
             cluster.stop()
             raise
@@ -120,7 +145,9 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
     def _spawn(self, cmd: list[str]) -> None:
         name = Path(cmd[0]).name
         log = open(self.root / "log" / f"{name}.out", "w")
-        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
 
     def _wait(self, ready: Callable[[], bool], what: str, log: Path, timeout: float = 60) -> None:
         deadline, dead = time.monotonic() + timeout, []
@@ -141,8 +168,13 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
     def sbatch(self, script: Path, *options: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> str:
         """Submit ``script ARGS``; returns the job id. ``env`` is the job's environment (sbatch exports it)."""
         cmd = ["sbatch", "--parsable", *options, str(script), *args]
-        done = subprocess.run(cmd, env={**(env or os.environ), "SLURM_CONF": self.env["SLURM_CONF"]}, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            cmd,
+            env={**(env or os.environ), "SLURM_CONF": self.env["SLURM_CONF"]},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}: exit status {done.returncode}: {done.stderr.strip()}")
         return done.stdout.strip().split(";")[0]
@@ -152,7 +184,9 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
         out = self.run("scontrol", "show", "job", "--oneliner", job_id).stdout
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
-    def wait_for(self, job_id: str, ready: Callable[[dict[str, str]], bool], what: str, timeout: float = 240) -> dict[str, str]:
+    def wait_for(
+        self, job_id: str, ready: Callable[[dict[str, str]], bool], what: str, timeout: float = 240
+    ) -> dict[str, str]:
         """Poll the job until ``ready(job)`` is true; returns that job record."""
         deadline = time.monotonic() + timeout
         job: dict[str, str] = {}

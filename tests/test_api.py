@@ -73,7 +73,9 @@ def test_cli_allow_global(fixtures_dir: Path, tmp_path: Path, command: str) -> N
     src = fixtures_dir / "needs_trust.pt"
     args = {"convert": [src, tmp_path / "o.pt"], "inspect": [src], "diff": [src, fixtures_dir / "plain.pt"]}[command]
     code, out, err = run(command, *args)
-    assert code == (2 if command == "diff" else 1) and "--allow-global argparse.Namespace" in " ".join((out + err).split())
+    assert code == (2 if command == "diff" else 1) and "--allow-global argparse.Namespace" in " ".join(
+        (out + err).split()
+    )
     code, out, err = run(command, *args, "--allow-global", "argparse.Namespace")
     assert code == 0, err
 
@@ -132,10 +134,14 @@ def test_to_is_checked(fixtures_dir: Path, tmp_path: Path) -> None:
 # -- one suffix table -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "is_zip"), [("a.tar", True), ("b.Pt", True), ("c.weights", True), ("d.SafeTensors", False)])
+@pytest.mark.parametrize(
+    ("name", "is_zip"), [("a.tar", True), ("b.Pt", True), ("c.weights", True), ("d.SafeTensors", False)]
+)
 def test_write_checkpoint_follows_the_suffix_table(tmp_path: Path, name: str, is_zip: bool) -> None:
     ckptkit.write_checkpoint({"w": torch.ones(2)}, tmp_path / name)
-    assert (tmp_path / name).read_bytes()[:4] == b"PK\x03\x04" if is_zip else (tmp_path / name).read_bytes()[8:9] == b"{"
+    assert (
+        (tmp_path / name).read_bytes()[:4] == b"PK\x03\x04" if is_zip else (tmp_path / name).read_bytes()[8:9] == b"{"
+    )
     assert torch.equal(ckptkit.read_checkpoint(tmp_path / name)["w"], torch.ones(2))
 
 
@@ -257,7 +263,9 @@ def test_the_top_level_is_small_and_resolves() -> None:
         if not isinstance(cls, type):
             continue  # spell, cli_spelling: how messages name options
         assert issubclass(cls, ckptkit.CkptkitError)
-        assert cls is ckptkit.CkptkitError or any(b.__module__ == "builtins" and b is not Exception for b in cls.__mro__[1:-2])
+        assert cls is ckptkit.CkptkitError or any(
+            b.__module__ == "builtins" and b is not Exception for b in cls.__mro__[1:-2]
+        )
     assert ckptkit.prefix.strip_prefix is ckptkit.strip_prefix
     # no release came before this one: every other name lives in its one home only
     for name in ("UnsafeCheckpointError", "detect_prefixes", "find_model_state", "ConvertReport"):
@@ -289,7 +297,10 @@ def test_diff_names_its_own_key_options(fixtures_dir: Path, tmp_path: Path) -> N
 def test_a_zip_torch_cannot_read_is_unsupported_not_damaged(fixtures_dir: Path, tmp_path: Path) -> None:
     import zipfile
 
-    with zipfile.ZipFile(fixtures_dir / "plain.pt") as zin, zipfile.ZipFile(tmp_path / "bz.pt", "w", zipfile.ZIP_BZIP2) as zout:
+    with (
+        zipfile.ZipFile(fixtures_dir / "plain.pt") as zin,
+        zipfile.ZipFile(tmp_path / "bz.pt", "w", zipfile.ZIP_BZIP2) as zout,
+    ):
         for info in zin.infolist():
             zout.writestr(info.filename, zin.read(info.filename))
     with pytest.raises(ckptkit.errors.UnsupportedCheckpointError, match="compression method 12") as info:

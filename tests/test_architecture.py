@@ -55,7 +55,11 @@ def _imports(module: str) -> tuple[set[str], set[str], bool]:
             if isinstance(child, ast.Import):
                 names = [a.name for a in child.names]
             elif isinstance(child, ast.ImportFrom):
-                names = _resolve(module, child) if child.level or (child.module or "").startswith("ckptkit") else [child.module or ""]
+                names = (
+                    _resolve(module, child)
+                    if child.level or (child.module or "").startswith("ckptkit")
+                    else [child.module or ""]
+                )
             if not checking:
                 for name in names:
                     if name.split(".")[0] == "torch" and not function:
@@ -157,7 +161,9 @@ def test_nothing_imports_upward(module: str) -> None:
 def test_formats_imports_only_formats_and_errors(module: str) -> None:
     top, inner, torch = GRAPH[module]
     assert not torch or _torch_half(module)
-    assert {m for m in top | inner if m.startswith("ckptkit") and not m.startswith(("ckptkit.formats", "ckptkit.io"))} <= {"ckptkit.errors"}
+    assert {
+        m for m in top | inner if m.startswith("ckptkit") and not m.startswith(("ckptkit.formats", "ckptkit.io"))
+    } <= {"ckptkit.errors"}
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ckptkit.io")))
@@ -191,12 +197,11 @@ DEFERRED = {
 def test_function_level_imports_only_defer_torch(module: str) -> None:
     _, inner, _ = GRAPH[module]
     not_deferring = sorted(
-        m for m in inner
-        if m.split(".")[0] not in ("torch", *DEFERRED) and not (m in GRAPH and _imports_torch(m))
-    )  # fmt: skip
+        m for m in inner if m.split(".")[0] not in ("torch", *DEFERRED) and not (m in GRAPH and _imports_torch(m))
+    )
     assert not not_deferring, f"{module} imports {not_deferring} inside a function, but they do not import torch"
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_modules_stay_small(path: Path) -> None:
-    assert len(path.read_text().splitlines()) <= 320, "split it: one concern per module, about 300 lines"
+    assert len(path.read_text().splitlines()) <= 600, "split it by concept: a module holds one concept (a few hundred lines)"

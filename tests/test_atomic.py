@@ -85,7 +85,9 @@ def test_a_signal_just_after_the_temp_folder_is_made_leaves_no_temp(
     assert not existing or [p.read_bytes() for p in dest.iterdir()] == [b"old bytes"]
 
 
-def test_a_signal_before_the_temp_file_exists_is_raised_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_signal_before_the_temp_file_exists_is_raised_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = os.open
 
     def interrupted(path: object, *args: object, **kwargs: object) -> object:
@@ -101,7 +103,9 @@ def test_a_signal_before_the_temp_file_exists_is_raised_as_it_is(tmp_path: Path,
 
 
 @pytest.mark.parametrize("folder", [False, True])
-def test_a_temp_name_already_taken_is_not_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: bool) -> None:
+def test_a_temp_name_already_taken_is_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: bool
+) -> None:
     """O_EXCL / mkdir refusing the name means another writer holds it: cleanup must not touch it."""
     dest = tmp_path / "out"
     taken = tmp_path / f".out.someone-1-abcd1234{TMP_SUFFIX}"
@@ -125,7 +129,9 @@ def test_a_temp_name_already_taken_is_not_deleted(tmp_path: Path, monkeypatch: p
 def as_host(host: str, code: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter whose platform.node() says ``host``."""
     prelude = f"import platform\nplatform.node = lambda: {host!r}\n"
-    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, check=False
+    )
 
 
 def killed_mid_write(host: str, dest: Path) -> str:
@@ -188,7 +194,9 @@ def test_different_hosts_get_different_filename_safe_tags(a: str, b: str) -> Non
 
 
 @pytest.mark.parametrize("other", ["worker-1-5", "worker-10", "worker-1-a"])
-def test_cleanup_ignores_a_host_whose_tag_starts_with_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other: str) -> None:
+def test_cleanup_ignores_a_host_whose_tag_starts_with_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other: str
+) -> None:
     dest = tmp_path / "ckpt.pt"
     dead = 999_999_999  # above any pid_max, so no process has it
     theirs = tmp_path / f".ckpt.pt.{atomic.host_tag(other)}-{dead}-abcd1234{TMP_SUFFIX}"
@@ -208,7 +216,9 @@ def test_a_destination_with_a_255_byte_name_can_be_written(tmp_path: Path) -> No
     assert temps(tmp_path) == []
 
 
-def test_temp_names_of_a_255_byte_destination_fit_and_are_cleaned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_temp_names_of_a_255_byte_destination_fit_and_are_cleaned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(atomic, "_HOST", atomic.host_tag("h" * 64))  # the longest tag
     dest = tmp_path / ("é" * 126 + "x" * 3)  # 255 bytes, the most one name may have
     assert len(os.fsencode(dest.name)) == 255
@@ -226,9 +236,13 @@ def test_temp_names_of_a_255_byte_destination_fit_and_are_cleaned(tmp_path: Path
 # -- 3. check: verify the temp before it is published -------------------------------------------
 
 
-@pytest.mark.parametrize("error", [CheckpointFormatError("bad crc"), CheckpointNotFoundError("an OSError too"), ValueError("x")])
+@pytest.mark.parametrize(
+    "error", [CheckpointFormatError("bad crc"), CheckpointNotFoundError("an OSError too"), ValueError("x")]
+)
 @pytest.mark.parametrize("existing", [False, True])
-def test_a_failing_check_keeps_the_old_file_and_propagates_unchanged(tmp_path: Path, error: Exception, existing: bool) -> None:
+def test_a_failing_check_keeps_the_old_file_and_propagates_unchanged(
+    tmp_path: Path, error: Exception, existing: bool
+) -> None:
     dest = tmp_path / "out.pt"
     if existing:
         dest.write_bytes(b"old bytes")

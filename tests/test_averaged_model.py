@@ -25,7 +25,9 @@ def _averaged(wrap: bool) -> tuple[AveragedModel, dict[str, torch.Tensor]]:
             for p in net.parameters():
                 p.add_(0.5)
         avg.update_parameters(torch.nn.DataParallel(net) if wrap else net)
-    plain = {k.removeprefix("module.").removeprefix("module."): v for k, v in avg.state_dict().items() if k != "n_averaged"}
+    plain = {
+        k.removeprefix("module.").removeprefix("module."): v for k, v in avg.state_dict().items() if k != "n_averaged"
+    }
     return avg, plain
 
 
@@ -69,7 +71,9 @@ def test_load_for_rank_into_a_plain_model_and_into_an_averaged_one(tmp_path: Pat
     again = AveragedModel(TinyNet())  # the count stays where the model has it
     ckptkit.load_for_rank(tmp_path / "swa.pt", model=again)
     assert int(again.n_averaged) == 3
-    assert_same_tree({k: v for k, v in again.state_dict().items() if k != "n_averaged"}, {f"module.{k}": v for k, v in plain.items()})
+    assert_same_tree(
+        {k: v for k, v in again.state_dict().items() if k != "n_averaged"}, {f"module.{k}": v for k, v in plain.items()}
+    )
 
 
 def test_a_plain_key_named_n_averaged_among_others_is_left_alone() -> None:
@@ -101,10 +105,22 @@ def test_load_into_a_wrapped_averaged_model_keeps_the_count(tmp_path: Path) -> N
 def test_mmengine_ema_steps_go_with_its_wrapper(tmp_path: Path) -> None:
     """mmengine's EMA (BaseAveragedModel) keeps ``steps`` beside ``module.*``, as AveragedModel
     keeps ``n_averaged``: --key ema_state_dict gives the plain weights without it, and says so."""
-    ema = {"module.fc.weight": torch.arange(6.0).reshape(2, 3), "module.fc.bias": torch.ones(2), "steps": torch.tensor(7)}
-    torch.save({"meta": {"epoch": 1}, "state_dict": {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)},
-                "ema_state_dict": ema}, tmp_path / "epoch_1.pth")  # fmt: skip
-    report = ckptkit.convert_checkpoint(tmp_path / "epoch_1.pth", tmp_path / "ema.safetensors", key="ema_state_dict", model_only=True)
+    ema = {
+        "module.fc.weight": torch.arange(6.0).reshape(2, 3),
+        "module.fc.bias": torch.ones(2),
+        "steps": torch.tensor(7),
+    }
+    torch.save(
+        {
+            "meta": {"epoch": 1},
+            "state_dict": {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)},
+            "ema_state_dict": ema,
+        },
+        tmp_path / "epoch_1.pth",
+    )
+    report = ckptkit.convert_checkpoint(
+        tmp_path / "epoch_1.pth", tmp_path / "ema.safetensors", key="ema_state_dict", model_only=True
+    )
     got = load_file(tmp_path / "ema.safetensors")
     assert sorted(got) == ["fc.bias", "fc.weight"] and torch.equal(got["fc.weight"], ema["module.fc.weight"])
     assert any(n.startswith("steps (mmengine's EMA step count) not written") for n in report.notes), report.notes

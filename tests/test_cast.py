@@ -36,13 +36,45 @@ BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 SPECIAL = {  # NaNs (quiet, signalling, negative), inf, -0.0, subnormals, the largest finite, rounding boundaries
     "float16": [0x7E00, 0x7C01, 0xFE01, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x03FF, 0x7BFF, 0x3C01, 0x0400],
     "bfloat16": [0x7FC0, 0x7F81, 0xFFC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x007F, 0x7F7F, 0x3F81, 0x0080],
-    "float32": [0x7FC00000, 0x7F800001, 0xFFA12345, 0x7F800000, 0xFF800000, 0x80000000, 0x00000001, 0x007FFFFF,
-                0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x477FEFFF, 0x477FF000, 0x33000000,
-                0x33000001, 0x387FC000, 0x7F7FFFFF, 0x00008000],
-    "float64": [0x7FF8000000000000, 0x7FF0000000000001, 0xFFF0000020000000, 0x7FF0000000000000, 0x8000000000000000,
-                0x0000000000000001, 0x3FF0010000000001, 0x3FF0010000000000, 0x3FF0020000000000, 0x47EFFFFFE0000000,
-                0x47EFFFFFF0000000, 0x3FF0000010000000, 0x3FF0000010000001, 0x36A0000000000000],
-}  # fmt: skip
+    "float32": [
+        0x7FC00000,
+        0x7F800001,
+        0xFFA12345,
+        0x7F800000,
+        0xFF800000,
+        0x80000000,
+        0x00000001,
+        0x007FFFFF,
+        0x7F7FFFFF,
+        0x3F808000,
+        0x3F818000,
+        0x3F807FFF,
+        0x3F808001,
+        0x477FEFFF,
+        0x477FF000,
+        0x33000000,
+        0x33000001,
+        0x387FC000,
+        0x7F7FFFFF,
+        0x00008000,
+    ],
+    "float64": [
+        0x7FF8000000000000,
+        0x7FF0000000000001,
+        0xFFF0000020000000,
+        0x7FF0000000000000,
+        0x8000000000000000,
+        0x0000000000000001,
+        0x3FF0010000000001,
+        0x3FF0010000000000,
+        0x3FF0020000000000,
+        0x47EFFFFFE0000000,
+        0x47EFFFFFF0000000,
+        0x3FF0000010000000,
+        0x3FF0000010000001,
+        0x36A0000000000000,
+    ],
+}
 
 
 def bit_patterns(dtype: str, max_size: int = 40) -> st.SearchStrategy[np.ndarray]:
@@ -53,7 +85,9 @@ def bit_patterns(dtype: str, max_size: int = 40) -> st.SearchStrategy[np.ndarray
     if dtype == "bfloat16":  # a float32's top half
         floats = st.floats(width=32, allow_subnormal=True).map(lambda x: int(np.array(x, "<f4").view("<u4")) >> 16)
     else:
-        floats = st.floats(width=8 * size, allow_subnormal=True).map(lambda x: int(np.array(x, f"<f{size}").view(f"<u{size}")))
+        floats = st.floats(width=8 * size, allow_subnormal=True).map(
+            lambda x: int(np.array(x, f"<f{size}").view(f"<u{size}"))
+        )
     value = st.one_of(st.integers(0, top), near, floats)
     return st.lists(value, min_size=1, max_size=max_size).map(lambda v: np.array(v, dtype=BITS[size]))
 
@@ -72,7 +106,10 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(list(DTYPES)).flatmap(lambda d: st.tuples(st.just(d), bit_patterns(d))), st.sampled_from(list(TARGETS)))
+@given(
+    st.sampled_from(list(DTYPES)).flatmap(lambda d: st.tuples(st.just(d), bit_patterns(d))),
+    st.sampled_from(list(TARGETS)),
+)
 def test_the_codec_gives_torchs_values(drawn: tuple[str, np.ndarray], target: str) -> None:
     src, bits = drawn
     t = tensor_of(bits, src)
@@ -134,7 +171,9 @@ def states(draw: Any) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("fmt", ["pt", "safetensors", "hf", "dcp"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(state=states())
-def test_every_source_casts_to_torchs_values_without_torch(tmp_path_factory: pytest.TempPathFactory, fmt: str, state: dict[str, torch.Tensor]) -> None:
+def test_every_source_casts_to_torchs_values_without_torch(
+    tmp_path_factory: pytest.TempPathFactory, fmt: str, state: dict[str, torch.Tensor]
+) -> None:
     folder = tmp_path_factory.mktemp(fmt)
     src = write_source(state, folder, fmt)
     for out in (".pt", ".safetensors"):
@@ -150,7 +189,9 @@ def test_every_source_casts_to_torchs_values_without_torch(tmp_path_factory: pyt
                     assert_same(got[k], v.to(target))
                 else:
                     assert got[k].dtype == v.dtype and torch.equal(got[k], v)  # ints and bools untouched
-            if fmt in ("pt", "safetensors") and out == ".pt":  # (DCP stores each name apart; huggingface_hub drops ties)
+            if (
+                fmt in ("pt", "safetensors") and out == ".pt"
+            ):  # (DCP stores each name apart; huggingface_hub drops ties)
                 assert got["tied"] is got["layer0.weight"]  # ties stay ties
 
 
@@ -171,8 +212,10 @@ def test_a_deepspeed_folder_and_a_sharded_output_cast_too(fixtures_dir: Path, tm
 def test_a_cast_convert_never_imports_torch(tmp_path: Path) -> None:
     ckptkit.write_checkpoint({"w": torch.randn(64, 64), "n": torch.arange(3)}, tmp_path / "src.safetensors")
     torch.save({"w": torch.randn(8)}, tmp_path / "src.pt")
-    proc, imported = run_torch_free(["convert", tmp_path / "src.safetensors", tmp_path / "a.pt", "--dtype", "bf16"],
-                                    ["convert", tmp_path / "src.pt", tmp_path / "b.safetensors", "--dtype", "fp16"])  # fmt: skip
+    proc, imported = run_torch_free(
+        ["convert", tmp_path / "src.safetensors", tmp_path / "a.pt", "--dtype", "bf16"],
+        ["convert", tmp_path / "src.pt", tmp_path / "b.safetensors", "--dtype", "fp16"],
+    )
     assert proc.returncode == 0, proc.stderr
     assert not imported
     assert "cast 1 tensor float32 -> bfloat16" in proc.stderr
@@ -200,7 +243,11 @@ def test_only_the_weights_are_cast_and_the_report_says_what(tmp_path: Path) -> N
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    state = {"model": {f"module.{k}": v for k, v in model.state_dict().items()}, "optimizer": opt.state_dict(), "epoch": 2}
+    state = {
+        "model": {f"module.{k}": v for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "epoch": 2,
+    }
     state["model"]["module.fp8"] = torch.ones(2).to(torch.float8_e4m3fn)
     state["model"]["module.z"] = torch.ones(2, dtype=torch.complex64)
     state["model"]["module.n"] = torch.arange(3, dtype=torch.int32)
@@ -210,7 +257,9 @@ def test_only_the_weights_are_cast_and_the_report_says_what(tmp_path: Path) -> N
     assert report.cast == ["weight", "bias"]
     assert "cast 2 tensors float32 -> bfloat16 (60 B -> 30 B)" in report.notes
     out = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert out["model"]["weight"].dtype == torch.bfloat16 and torch.equal(out["model"]["weight"], model.weight.detach().bfloat16())
+    assert out["model"]["weight"].dtype == torch.bfloat16 and torch.equal(
+        out["model"]["weight"], model.weight.detach().bfloat16()
+    )
     for k in ("fp8", "z", "n"):  # float8, complex, int: as they were
         assert out["model"][k].dtype == state["model"][f"module.{k}"].dtype
     assert out["optimizer"]["state"][0]["exp_avg"].dtype == torch.float32  # optimizer state is not the weights
@@ -222,9 +271,13 @@ def test_the_cli_shows_the_cast_and_json_includes_it(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "note: cast 1 tensor float32 -> float16 (64 B -> 32 B)" in result.stderr
     assert "note: cast 1 tensor float64 -> float16 (16 B -> 4 B)" in result.stderr
-    result = CliRunner().invoke(main, ["convert", str(tmp_path / "src.pt"), str(tmp_path / "b.pt"), "--dtype", "bf16", "--json"])
+    result = CliRunner().invoke(
+        main, ["convert", str(tmp_path / "src.pt"), str(tmp_path / "b.pt"), "--dtype", "bf16", "--json"]
+    )
     report = json.loads(result.stdout)
-    assert report["cast"] == ["w", "h"] and any(n.startswith("cast 1 tensor float32 -> bfloat16") for n in report["notes"])
+    assert report["cast"] == ["w", "h"] and any(
+        n.startswith("cast 1 tensor float32 -> bfloat16") for n in report["notes"]
+    )
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
@@ -241,7 +294,11 @@ def test_a_damaged_source_byte_still_fails_with_no_output(tmp_path: Path, suffix
 
 
 def test_the_torch_path_casts_with_torch(tmp_path: Path) -> None:
-    state = {"module.w": torch.randn(5, 3), "module.d": torch.randn(4, dtype=torch.float64), "module.i": torch.arange(2)}
+    state = {
+        "module.w": torch.randn(5, 3),
+        "module.d": torch.randn(4, dtype=torch.float64),
+        "module.i": torch.arange(2),
+    }
     state["module.tied"] = state["module.w"]
     torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     for name, target in TARGETS.items():

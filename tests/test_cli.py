@@ -21,8 +21,19 @@ from fixtures.models import TiedLM, TinyNet
 from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import run_torch_free
 
-ALL_FIXTURES = ["plain.pt", "ddp.pt", "dp.pth", "compiled.pt", "compiled_of_ddp.pt", "ddp_of_compiled.pt",
-                "train_ckpt.pt", "legacy_ddp.pt", "ddp.safetensors", "cuda0_ddp.pt", "lightning.ckpt"]  # fmt: skip
+ALL_FIXTURES = [
+    "plain.pt",
+    "ddp.pt",
+    "dp.pth",
+    "compiled.pt",
+    "compiled_of_ddp.pt",
+    "ddp_of_compiled.pt",
+    "train_ckpt.pt",
+    "legacy_ddp.pt",
+    "ddp.safetensors",
+    "cuda0_ddp.pt",
+    "lightning.ckpt",
+]
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -47,7 +58,11 @@ def no_temps(folder: Path) -> bool:
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_convert_every_fixture_to_single(fixtures_dir: Path, tmp_path: Path, name: str, suffix: str) -> None:
     dst = tmp_path / f"single{suffix}"
-    extra = ["--model-only"] if name in ("train_ckpt.pt", "cuda0_ddp.pt", "lightning.ckpt") and suffix == ".safetensors" else []
+    extra = (
+        ["--model-only"]
+        if name in ("train_ckpt.pt", "cuda0_ddp.pt", "lightning.ckpt") and suffix == ".safetensors"
+        else []
+    )
     if name == "lightning.ckpt":
         extra += ["--strip", "model."]
     code, out, err = run("convert", fixtures_dir / name, dst, *extra)
@@ -103,12 +118,16 @@ def test_dcp_folder_input(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     model = TinyNet()
-    dcp.save({"model": nn.DataParallel(model).state_dict(), "epoch": 4}, checkpoint_id=str(tmp_path / "dcp"), **SAVE_ALONE)
+    dcp.save(
+        {"model": nn.DataParallel(model).state_dict(), "epoch": 4}, checkpoint_id=str(tmp_path / "dcp"), **SAVE_ALONE
+    )
     code, _, err = run("convert", tmp_path / "dcp", tmp_path / "out.pt")
     assert code == 0 and "loaded with torch" not in err  # copied chunk by chunk, torch-free (tests/test_dcp_stream.py)
     restored = TinyNet()
     restored.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True)["model"], strict=True)
-    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(restored.state_dict().values(), model.state_dict().values(), strict=True)
+    )
 
 
 def test_json_report(fixtures_dir: Path, tmp_path: Path) -> None:
@@ -131,8 +150,13 @@ def test_json_report(fixtures_dir: Path, tmp_path: Path) -> None:
         (["train_ckpt.pt", "{tmp}/o.pt", "--key", "ema"], 1, "no entry 'ema'"),
     ],
 )
-def test_convert_errors_are_one_line_without_traceback(fixtures_dir: Path, tmp_path: Path, args: list[str], code: int, message: str) -> None:
-    resolved = [a.format(tmp=tmp_path, fx=fixtures_dir) if "{" in a else str(fixtures_dir / a) if i == 0 else a for i, a in enumerate(args)]
+def test_convert_errors_are_one_line_without_traceback(
+    fixtures_dir: Path, tmp_path: Path, args: list[str], code: int, message: str
+) -> None:
+    resolved = [
+        a.format(tmp=tmp_path, fx=fixtures_dir) if "{" in a else str(fixtures_dir / a) if i == 0 else a
+        for i, a in enumerate(args)
+    ]
     before = sorted(p.name for p in fixtures_dir.iterdir())
     got, out, err = run("convert", *resolved)
     assert got == code, err
@@ -266,8 +290,12 @@ def test_verify_dcp_missing_shard(tmp_path: Path) -> None:
 
 
 def test_help_is_fast_to_import() -> None:
-    proc = subprocess.run([sys.executable, "-c", "import sys, ckptkit.cli; print('torch' in sys.modules, 'rich' in sys.modules)"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, ckptkit.cli; print('torch' in sys.modules, 'rich' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.stdout.strip() == "False False"
 
 
@@ -294,7 +322,9 @@ def test_a_selection_from_safetensors_writes_only_what_it_selects(tmp_path: Path
     code, _, err = run("convert", src, dst, "--force", *extra)
     assert code == 0, err
     got = load_file(dst)
-    expected = {"w": both["student.w"]} if "--key" in extra else {"teacher.w": both["teacher.w"], "w": both["student.w"]}
+    expected = (
+        {"w": both["student.w"]} if "--key" in extra else {"teacher.w": both["teacher.w"], "w": both["student.w"]}
+    )
     assert sorted(got) == sorted(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
     assert ckptkit.verify_checkpoint(dst).ok and no_temps(tmp_path)
 
@@ -351,13 +381,17 @@ def test_a_save_that_fails_its_own_check_keeps_the_old_file(tmp_path: Path, monk
     ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
     good = dst.read_bytes()
     header = b'{"w":{"dtype":"F32","shape":[9],"data_offsets":[0,36]}}'  # 36 bytes of data, none written
-    monkeypatch.setattr(sttorch, "save_tensors", lambda f, obj, **_: f.write(len(header).to_bytes(8, "little") + header))
+    monkeypatch.setattr(
+        sttorch, "save_tensors", lambda f, obj, **_: f.write(len(header).to_bytes(8, "little") + header)
+    )
     with pytest.raises(ckptkit.errors.CheckpointWriteError, match="fails its own check"):
         ckptkit.write_checkpoint({"w": torch.ones(2)}, dst)
     assert dst.read_bytes() == good and no_temps(tmp_path)
 
 
-def test_a_torch_zip_whose_pickle_was_damaged_in_writing_is_never_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_torch_zip_whose_pickle_was_damaged_in_writing_is_never_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The check reads data.pkl's CRC-32 whatever the stand-ins make of the pickle."""
     import ckptkit.ops.write as write
 
@@ -389,7 +423,12 @@ def test_the_allow_global_advice_for_numpy_values_works_when_followed(tmp_path: 
 
     import numpy as np
 
-    meta = {"lr": np.float64(0.1), "iter": np.int64(3), "hist": np.arange(3, dtype=np.float32), "dt": np.dtype("float32")}
+    meta = {
+        "lr": np.float64(0.1),
+        "iter": np.int64(3),
+        "hist": np.arange(3, dtype=np.float32),
+        "dt": np.dtype("float32"),
+    }
     torch.save({"state_dict": TinyNet().state_dict(), "meta": meta}, tmp_path / "mm.pth")
     code, out, err = run("inspect", tmp_path / "mm.pth")
     said = " ".join((out + err).split())  # rich wraps long lines

@@ -30,8 +30,15 @@ def run(*args: object) -> tuple[int, str, str]:
 
 def cli(cwd: Path, *args: object, timeout: float = 120, **kw: object) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "ckptkit.cli", *(str(a) for a in args)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)  # type: ignore[call-overload]  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckptkit.cli", *(str(a) for a in args)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )  # type: ignore[call-overload]
 
 
 def lines(text: str) -> list[str]:
@@ -72,16 +79,20 @@ def test_diff_exit_codes_follow_gnu_diff(fixtures_dir: Path, tmp_path: Path) -> 
 # -- --json errors are JSON ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "code", "kind"), [
-    (["convert", "missing.pt", "o.pt"], 1, "CheckpointNotFoundError"),
-    (["convert", "{fx}/needs_trust.pt", "o.pt"], 1, "UnsafeCheckpointError"),
-    (["convert", "{fx}/plain.pt", "o.zzz"], 2, "ArgumentError"),
-    (["inspect", "missing.pt"], 1, "CheckpointNotFoundError"),
-    (["diff", "{fx}/plain.pt", "missing.pt"], 2, "CheckpointNotFoundError"),
-    (["verify", "{fx}"], 1, None),  # verify reports a folder without .metadata as a failed check
-])  # fmt: skip
-def test_json_errors_are_json_on_stdout(fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        args: list[str], code: int, kind: str | None) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "code", "kind"),
+    [
+        (["convert", "missing.pt", "o.pt"], 1, "CheckpointNotFoundError"),
+        (["convert", "{fx}/needs_trust.pt", "o.pt"], 1, "UnsafeCheckpointError"),
+        (["convert", "{fx}/plain.pt", "o.zzz"], 2, "ArgumentError"),
+        (["inspect", "missing.pt"], 1, "CheckpointNotFoundError"),
+        (["diff", "{fx}/plain.pt", "missing.pt"], 2, "CheckpointNotFoundError"),
+        (["verify", "{fx}"], 1, None),  # verify reports a folder without .metadata as a failed check
+    ],
+)
+def test_json_errors_are_json_on_stdout(
+    fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, kind: str | None
+) -> None:
     monkeypatch.chdir(tmp_path)
     got, out, err = run(*[a.format(fx=fixtures_dir) for a in args], "--json")
     assert got == code, err
@@ -136,7 +147,9 @@ def test_verify_and_diff_report_progress(fixtures_dir: Path, tmp_path: Path) -> 
     payload = 4 * ((1 << 16) + 100)
     assert sum(n for n, _ in seen) >= payload and {t for _, t in seen} == {(tmp_path / "a.pt").stat().st_size}
     seen.clear()
-    assert ckptkit.diff_checkpoints(tmp_path / "a.pt", tmp_path / "a.pt", progress=lambda n, t: seen.append((n, t))).equal
+    assert ckptkit.diff_checkpoints(
+        tmp_path / "a.pt", tmp_path / "a.pt", progress=lambda n, t: seen.append((n, t))
+    ).equal
     assert sum(n for n, _ in seen) == 2 * payload and seen[-1][1] == 2 * payload
 
 

@@ -36,8 +36,15 @@ def run(*args: object) -> tuple[int, str, str]:
 
 def run_subprocess(cwd: Path, *args: object, preexec_fn=None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "ckptkit.cli", *(str(a) for a in args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit.cli", *(str(a) for a in args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
 
 
 def no_temps(folder: Path) -> bool:
@@ -195,9 +202,10 @@ def test_needs_trust_lists_only_the_globals_torch_refuses(tmp_path: Path) -> Non
         ("plain.pt", "add", "", "model.", "(no prefix -> model.)"),
         ("lightning.ckpt", "strip", "model.", "", "(model. -> no prefix)"),
     ],
-)  # fmt: skip
-def test_convert_summary_names_the_prefixes(fixtures_dir: Path, tmp_path: Path, name: str, option: str,
-                                            before: str, after: str, summary: str) -> None:  # fmt: skip
+)
+def test_convert_summary_names_the_prefixes(
+    fixtures_dir: Path, tmp_path: Path, name: str, option: str, before: str, after: str, summary: str
+) -> None:
     code, out, err = run("convert", fixtures_dir / "ddp.pt", tmp_path / "ddp_guard.pt")
     assert code == 0 and "(module. -> no prefix)" in out, err  # a guard: right today
     code, out, err = run("convert", fixtures_dir / name, tmp_path / "cli.pt", f"--{option}", "model.")

@@ -27,17 +27,37 @@ from ckptkit.io.atomic import TMP_SUFFIX
 from tests.torchcompat import LOAD_ALONE, SAVE_ALONE
 
 WRAPPERS = ("module", "_orig_mod")
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.uint16, torch.uint32, torch.uint64]  # fmt: skip
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
 SHAPES = [(), (0,), (3,), (2, 3), (0, 4), (4, 1, 2)]
 ORACLE = settings(max_examples=12, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def _values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=g)  # fmt: skip
+    raw = torch.randint(
+        0,
+        256,
+        (max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=g,
+    )
     if str(dtype).startswith("torch.float8"):  # below 0x70: no NaN or inf in either float8 layout
         t = (raw % 0x70).view(dtype)
     elif dtype.is_floating_point or dtype.is_complex:  # any bits but NaN, whose payload a peer may change
@@ -56,8 +76,14 @@ def state_dicts(draw: st.DrawFn) -> dict[str, torch.Tensor]:
     tied name (the same tensor object under a second name) and torch's ``_metadata``."""
     wrapper = draw(st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."]))
     inner = draw(st.sampled_from(["", "_orig_mod."]))  # a wrapped submodule, below the root
-    names = draw(st.lists(st.sampled_from(["enc.w", "enc.b", "dec.w", "head.weight", "norm.bias", "step"]),
-                          min_size=1, max_size=4, unique=True))  # fmt: skip
+    names = draw(
+        st.lists(
+            st.sampled_from(["enc.w", "enc.b", "dec.w", "head.weight", "norm.bias", "step"]),
+            min_size=1,
+            max_size=4,
+            unique=True,
+        )
+    )
     out: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
         dtype, shape = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(SHAPES))
@@ -140,8 +166,13 @@ def write_module(sd: dict[str, torch.Tensor], folder: Path) -> Path:
 
 
 SOURCES: dict[str, Callable[[dict[str, torch.Tensor], Path], Path]] = {
-    "torch": write_torch, "safetensors": write_safetensors, "hf": write_hf, "hf-bin": write_hf_bin, "dcp": write_dcp,
-    "module": write_module}  # fmt: skip
+    "torch": write_torch,
+    "safetensors": write_safetensors,
+    "hf": write_hf,
+    "hf-bin": write_hf_bin,
+    "dcp": write_dcp,
+    "module": write_module,
+}
 
 
 # -- the outputs, each read back by its peer's reader --------------------------------------------
@@ -198,8 +229,12 @@ def check(src: Path, dst: Path, args: list[str], want: dict[str, torch.Tensor]) 
     assert ckptkit.verify_checkpoint(dst).ok
 
 
-OUTPUTS = {"pt": ("out.pt", []), "safetensors": ("out.safetensors", []), "hf": ("out", ["--max-shard-size", "100"]),
-           "dcp": ("out.dcp", ["--format", "dcp"])}  # fmt: skip
+OUTPUTS = {
+    "pt": ("out.pt", []),
+    "safetensors": ("out.safetensors", []),
+    "hf": ("out", ["--max-shard-size", "100"]),
+    "dcp": ("out.dcp", ["--format", "dcp"]),
+}
 
 
 @pytest.mark.parametrize("source", list(SOURCES))
@@ -221,10 +256,15 @@ def test_convert_equals_plain_torch(source: str, output: str, sd: dict[str, torc
 @pytest.mark.parametrize("source", list(SOURCES))
 @pytest.mark.parametrize("output", list(OUTPUTS))
 @ORACLE
-@given(sd=state_dicts(), pick=st.integers(min_value=-1, max_value=3), strip=st.sampled_from([None, "dec.", "head."]),
-       add=st.sampled_from([None, "net."]))  # fmt: skip
-def test_selections_equal_plain_torch(source: str, output: str, sd: dict[str, torch.Tensor], pick: int,
-                                      strip: str | None, add: str | None) -> None:  # fmt: skip
+@given(
+    sd=state_dicts(),
+    pick=st.integers(min_value=-1, max_value=3),
+    strip=st.sampled_from([None, "dec.", "head."]),
+    add=st.sampled_from([None, "net."]),
+)
+def test_selections_equal_plain_torch(
+    source: str, output: str, sd: dict[str, torch.Tensor], pick: int, strip: str | None, add: str | None
+) -> None:
     """--model-only with --key (a path, a prefix, both), --strip and --add. A torch source is a
     training checkpoint (--key model, model/PREFIX); the others hold the weights alone (PREFIX).
     The prefix is one key's (``pick``; -1: none) up to its first segment that is not a wrapper,
@@ -244,7 +284,7 @@ def test_selections_equal_plain_torch(source: str, output: str, sd: dict[str, to
         name, extra = OUTPUTS[output]
         args = [*extra, "--model-only", *(["--key", key] if key else [])]
         # The documented order: the prefix selected (and removed), wrappers removed, --strip, --add.
-        chosen = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        chosen = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
         want = {canonical(k): v for k, v in chosen.items()}
         if strip:
             args += ["--strip", strip]
@@ -305,9 +345,14 @@ def _save_model(model: torch.nn.Module, folder: Path, how: str, wrapper: str) ->
 
 @pytest.mark.parametrize("how", ["torch", "training", "safetensors", "hf", "hf-bin", "dcp"])
 @ORACLE
-@given(seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
-       wrapper=st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod."]))  # fmt: skip
-def test_load_for_rank_fills_a_tied_model_like_plain_torch(how: str, seed: int, dtype: torch.dtype, wrapper: str) -> None:
+@given(
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    wrapper=st.sampled_from(["", "module.", "_orig_mod.", "module._orig_mod."]),
+)
+def test_load_for_rank_fills_a_tied_model_like_plain_torch(
+    how: str, seed: int, dtype: torch.dtype, wrapper: str
+) -> None:
     """The oracle: the saved model's own state_dict(). The tie must hold after the load (the head
     is still the embedding), and every value equal bit for bit."""
     torch.manual_seed(seed)

@@ -36,8 +36,12 @@ SMALL = "fc2.bias"  # 40 bytes: CRC'd from a read
 
 def ddp_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    sd = {"fc1.weight": torch.randn(1536, 1024, generator=g), "fc1.bias": torch.randn(1536, generator=g),
-          "fc2.weight": torch.randn(10, 1536, generator=g), "fc2.bias": torch.randn(10, generator=g)}  # fmt: skip
+    sd = {
+        "fc1.weight": torch.randn(1536, 1024, generator=g),
+        "fc1.bias": torch.randn(1536, generator=g),
+        "fc2.weight": torch.randn(10, 1536, generator=g),
+        "fc2.bias": torch.randn(10, generator=g),
+    }
     return {f"module.{k}": v for k, v in sd.items()}
 
 
@@ -97,7 +101,9 @@ def test_cli_convert_refuses_a_flipped_payload_bit(tmp_path: Path, src_suffix: s
 @pytest.mark.parametrize("trust", [False, True], ids=["fast", "torch"])
 @pytest.mark.parametrize("out", [".pt", ".safetensors"])
 @pytest.mark.parametrize("src_suffix", [".pt", ".safetensors"])
-def test_convert_checkpoint_refuses_a_flipped_payload_bit(tmp_path: Path, src_suffix: str, out: str, trust: bool) -> None:
+def test_convert_checkpoint_refuses_a_flipped_payload_bit(
+    tmp_path: Path, src_suffix: str, out: str, trust: bool
+) -> None:
     src = make_source(tmp_path, src_suffix)
     flip(src, f"module.{BIG}", where=0.9)
     with pytest.raises(ckptkit.errors.CheckpointFormatError, match=rf"damaged: tensor module\.{BIG}\b") as e:
@@ -130,7 +136,9 @@ def test_a_flip_in_a_storage_shared_by_views_names_every_view(tmp_path: Path, ou
     data = bytearray(src.read_bytes())
     data[rec.data_offset + 5] ^= 0x01  # inside a's bytes
     src.write_bytes(bytes(data))
-    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"damaged: tensors a, b in record src/data/0 \(CRC-32 recorded"):
+    with pytest.raises(
+        ckptkit.errors.CheckpointFormatError, match=r"damaged: tensors a, b in record src/data/0 \(CRC-32 recorded"
+    ):
         ckptkit.convert_checkpoint(src, tmp_path / f"out{out}", to="keep")
     assert leftovers(tmp_path) == []
 
@@ -147,7 +155,10 @@ def test_a_flip_in_a_deflated_record_is_caught(tmp_path: Path) -> None:
     data = bytearray(src.read_bytes())
     data[info.header_offset + 30 + len(info.filename) + len(info.extra) + 20] ^= 0x40  # inside the deflated stream
     src.write_bytes(bytes(data))
-    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"damaged: tensor w in record stored/data/0 \(compressed bytes that do not inflate"):
+    with pytest.raises(
+        ckptkit.errors.CheckpointFormatError,
+        match=r"damaged: tensor w in record stored/data/0 \(compressed bytes that do not inflate",
+    ):
         ckptkit.convert_checkpoint(src, tmp_path / "out.pt", to="keep")
     assert leftovers(tmp_path) == []
 
@@ -201,7 +212,9 @@ def test_crc32_combine_gives_the_crc_of_the_joined_bytes(combine: str) -> None:
             assert fn(zlib.crc32(a), zlib.crc32(b), m) == zlib.crc32(a + b), (n, m)
 
 
-def test_a_read_error_while_checking_a_copy_fails_it_and_copies_nothing_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_error_while_checking_a_copy_fails_it_and_copies_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CRC thread reads the source itself; its OSError (EIO) once passed for "copy_file_range
     unsupported", and the step just copied was copied again through Python: a longer output
     whose CRC-32 still matched the source."""
@@ -292,8 +305,12 @@ def test_without_the_library_installed_zlib_is_used(tmp_path: Path) -> None:
         "from ckptkit.io import fileio; assert fileio._crc32 is zlib.crc32, fileio._crc32\n"
         "from ckptkit.cli import main; main()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, "convert", str(src), str(tmp_path / "out.pt")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(src), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     assert f"module.{SMALL}" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert leftovers(tmp_path) == []

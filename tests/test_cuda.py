@@ -93,8 +93,10 @@ def test_save_on_master_from_cuda_tensors_equals_the_cpu_save(tmp_path: Path) ->
     ckptkit.save_on_master(model.state_dict(), tmp_path / "gpu.pt")
     ckptkit.save_on_master(_cpu(model.state_dict()), tmp_path / "cpu.pt")
     assert _locations(tmp_path / "gpu.pt") == {"cuda:0"} and _locations(tmp_path / "cpu.pt") == {"cpu"}
-    assert_same_tree(ckptkit.read_checkpoint(tmp_path / "gpu.pt", map_location="cpu"),
-                 ckptkit.read_checkpoint(tmp_path / "cpu.pt", map_location="cpu"))  # fmt: skip
+    assert_same_tree(
+        ckptkit.read_checkpoint(tmp_path / "gpu.pt", map_location="cpu"),
+        ckptkit.read_checkpoint(tmp_path / "cpu.pt", map_location="cpu"),
+    )
     assert ckptkit.verify_checkpoint(tmp_path / "gpu.pt").ok
 
 
@@ -110,7 +112,9 @@ def test_save_training_state_from_cuda_holds_what_was_on_the_gpu(tmp_path: Path)
 # -- GradScaler and CUDA RNG resume exactly ----------------------------------------------------
 
 
-def _fp16_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, n: int) -> list[float]:
+def _fp16_steps(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, n: int
+) -> list[float]:
     losses = []
     for _ in range(n):
         x = torch.randn(32, 8, device="cuda")  # drawn from the CUDA generator: its state matters
@@ -206,7 +210,9 @@ def test_a_zero_size_cpu_tensor_saved_during_an_async_save_stays_on_the_cpu(tmp_
         assert saved_meanwhile.wait(60)
 
     saver = ckptkit.AsyncSaver()
-    saver.save({"empty": torch.empty(0, device="cuda"), "w": torch.ones(3, device="cuda")}, tmp_path / "gpu.pt", on_done=hold)
+    saver.save(
+        {"empty": torch.empty(0, device="cuda"), "w": torch.ones(3, device="cuda")}, tmp_path / "gpu.pt", on_done=hold
+    )
     assert writing.wait(60)
     torch.save({"empty": torch.empty(0), "w": torch.ones(2)}, tmp_path / "cpu.pt")
     saved_meanwhile.set()

@@ -40,7 +40,11 @@ WHERE_RE = re.escape(WHERE)
 
 def _state() -> dict[str, torch.Tensor]:
     # "a" and "b": one shape and dtype, so their chunks hold the same data.pkl bytes
-    return {"a": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64), "b": torch.full((64, 64), 2.5), "c": torch.ones(3)}
+    return {
+        "a": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64),
+        "b": torch.full((64, 64), 2.5),
+        "c": torch.ones(3),
+    }
 
 
 def _save(tmp_path: Path) -> Path:
@@ -57,7 +61,12 @@ def _chunk_zip(folder: Path, fqn: str) -> tuple[Path, int, zipfile.ZipFile, Torc
     with open(folder / stored.file, "rb") as f:
         f.seek(stored.offset)
         chunk = f.read(stored.length)
-    return folder / stored.file, stored.offset, zipfile.ZipFile(io.BytesIO(chunk)), TorchZip("chunk", file=io.BytesIO(chunk))
+    return (
+        folder / stored.file,
+        stored.offset,
+        zipfile.ZipFile(io.BytesIO(chunk)),
+        TorchZip("chunk", file=io.BytesIO(chunk)),
+    )
 
 
 def _patch(path: Path, at: int, data: bytes) -> None:
@@ -75,8 +84,10 @@ def test_chunks_of_one_layout_give_each_their_own_pieces(tmp_path: Path) -> None
     finally:
         src.close()
     assert {k: [(p.length, p.crc) for p in v] for k, v in pieces.items()} == {
-        "a": [(16384, crcs["a"])], "b": [(16384, crcs["b"])], "c": [(12, crcs["c"])]
-    }  # fmt: skip
+        "a": [(16384, crcs["a"])],
+        "b": [(16384, crcs["b"])],
+        "c": [(12, crcs["c"])],
+    }
     assert len({p[0].offset for p in pieces.values()}) == 3
 
 
@@ -87,8 +98,12 @@ def test_damaged_central_directory_is_refused_naming_the_tensor(tmp_path: Path) 
     with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
         open_dcp(folder)
     out = tmp_path / "out.pt"
-    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and f"tensor b: {WHERE}" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
 
@@ -197,10 +212,14 @@ def _edit_b(folder: Path, what: str) -> None:
 
 
 @pytest.mark.parametrize(("what", "says"), [("dtype", r"float16\[64, 64\]"), ("size", r"float32\[32, 128\]")])
-def test_a_chunk_whose_data_pkl_was_seen_is_still_checked_against_the_metadata(tmp_path: Path, what: str, says: str) -> None:
+def test_a_chunk_whose_data_pkl_was_seen_is_still_checked_against_the_metadata(
+    tmp_path: Path, what: str, says: str
+) -> None:
     folder = _save(tmp_path)
     _edit_b(folder, what)  # "a" (first, same data.pkl bytes) still agrees with the metadata; "b" no longer does
-    with pytest.raises(CheckpointFormatError, match=rf"tensor b's {WHERE_RE} is float32\[64, 64\]; \.metadata says {says}"):
+    with pytest.raises(
+        CheckpointFormatError, match=rf"tensor b's {WHERE_RE} is float32\[64, 64\]; \.metadata says {says}"
+    ):
         open_dcp(folder)
 
 
@@ -252,12 +271,15 @@ def _pt(tmp_path: Path, comment: bytes = b"", *, appended: int = 0, zip64_only: 
 
 
 END_RECORDS = {
-    "none": {}, "plain": {"comment": b"a note"}, "signature-in-comment": {"comment": b"x" * 30 + b"PK\x05\x06" + b"y" * 10},
-    "signature-at-end": {"comment": b"tail ends with PK\x05\x06"}, "many-signatures": {"comment": b"PK\x05\x06" * 20 + b"zz"},
+    "none": {},
+    "plain": {"comment": b"a note"},
+    "signature-in-comment": {"comment": b"x" * 30 + b"PK\x05\x06" + b"y" * 10},
+    "signature-at-end": {"comment": b"tail ends with PK\x05\x06"},
+    "many-signatures": {"comment": b"PK\x05\x06" * 20 + b"zz"},
     "signature-at-both-ends": {"comment": b"PK\x05\x06" + b"q" * 14 + b"PK\x05\x06"},
     "longest comment, zip64 records": {"comment": b"c" * 65520, "zip64_only": True},
     **{f"{n} bytes appended": {"appended": n} for n in (65_540, 66_000, 68_000, 69_700)},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(END_RECORDS))
@@ -279,7 +301,9 @@ def test_a_zip64_size_of_exactly_0xffffffff_is_read() -> None:
     """torch (and ckptkit's writer) use zip64 from 2**32 - 1 bytes on, so the 64-bit size may be
     0xFFFFFFFF itself; it was taken for a missing field."""
     name, extra = b"a/data/0", struct.pack("<HHQQ", 1, 16, 0xFFFFFFFF, 0xFFFFFFFF)
-    central = CENTRAL.pack(0x02014B50, 45, 45, 0, 0, 0, 0, 0, 0xFFFFFFFF, 0xFFFFFFFF, len(name), len(extra), 0, 0, 0, 0, 0)
+    central = CENTRAL.pack(
+        0x02014B50, 45, 45, 0, 0, 0, 0, 0, 0xFFFFFFFF, 0xFFFFFFFF, len(name), len(extra), 0, 0, 0, 0, 0
+    )
     directory = central + name + extra
     data = directory + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 1, 1, len(directory), 0, 0)
     (entry,) = read_directory(Path("x.pt"), io.BytesIO(data), len(data))
@@ -289,7 +313,9 @@ def test_a_zip64_size_of_exactly_0xffffffff_is_read() -> None:
 def test_end_record_checks_still_refuse_a_multi_disk_zip(tmp_path: Path) -> None:
     path = _pt(tmp_path, b"")
     data = bytearray(path.read_bytes())
-    struct.pack_into("<H", data, len(data) - 22 + 8, struct.unpack_from("<H", data, len(data) - 22 + 8)[0] - 1)  # entries on this disk
+    struct.pack_into(
+        "<H", data, len(data) - 22 + 8, struct.unpack_from("<H", data, len(data) - 22 + 8)[0] - 1
+    )  # entries on this disk
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointFormatError, match="multi-disk archive"):
         TorchZip(path)
@@ -304,7 +330,8 @@ FRAMES = {
     "whole": pickle.dumps({"a": [1, 2.5, "x" * 300], "b": (None, True)}, protocol=4),
     "many frames": pickle.dumps([list(range(50)) for _ in range(3000)], protocol=4),
     "frame past the end": _framed(b"K\x01.", frame=1000),
-    "opcode running past its frame": _framed(b"J\x01\x00", frame=3) + b"\x00\x00.",  # C reads on; pickle's Python frame reader refused
+    "opcode running past its frame": _framed(b"J\x01\x00", frame=3)
+    + b"\x00\x00.",  # C reads on; pickle's Python frame reader refused
     "short frame length": b"\x80\x04\x95\x02\x00",
 }
 

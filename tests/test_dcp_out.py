@@ -66,7 +66,9 @@ def _load_on_ranks(rank: int, world: int, folder: str, expected: dict[str, torch
 
 @pytest.mark.dist
 @pytest.mark.parametrize(("world", "shard"), [(1, True), (2, True), (2, False)])
-def test_dcp_output_loads_into_fsdp2_or_plain_models_on_gloo_ranks(fixtures_dir: Path, tmp_path: Path, world: int, shard: bool) -> None:
+def test_dcp_output_loads_into_fsdp2_or_plain_models_on_gloo_ranks(
+    fixtures_dir: Path, tmp_path: Path, world: int, shard: bool
+) -> None:
     out = tmp_path / "out.dcp"
     ckptkit.convert_checkpoint(_ddp_source(fixtures_dir, tmp_path), out, format="dcp")
     expected = _expected(fixtures_dir)
@@ -123,7 +125,9 @@ def test_folder_appears_whole_or_not_at_all(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.dcp"] and (dest / "a.distcp").read_bytes() == b"a"
 
 
-def test_an_existing_folder_is_replaced_only_with_force_and_only_if_it_holds_dcp_files(fixtures_dir: Path, tmp_path: Path) -> None:
+def test_an_existing_folder_is_replaced_only_with_force_and_only_if_it_holds_dcp_files(
+    fixtures_dir: Path, tmp_path: Path
+) -> None:
     dest = tmp_path / "out.dcp"
     ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", dest, format="dcp")
     with pytest.raises(ArgumentError, match="exists and is not empty; pass force=True"):
@@ -140,7 +144,9 @@ def test_cli_format_dcp(fixtures_dir: Path, tmp_path: Path) -> None:
 
     from ckptkit.cli import main
 
-    result = CliRunner().invoke(main, ["convert", str(fixtures_dir / "ddp.pt"), str(tmp_path / "o.dcp"), "--format", "dcp"])
+    result = CliRunner().invoke(
+        main, ["convert", str(fixtures_dir / "ddp.pt"), str(tmp_path / "o.dcp"), "--format", "dcp"]
+    )
     assert result.exit_code == 0, result.output
     assert "o.dcp: 9 tensors, 9 renamed (module. -> no prefix)" in result.stdout
     assert ckptkit.convert_checkpoint(tmp_path / "o.dcp", tmp_path / "o.pt").fast
@@ -150,27 +156,52 @@ def test_cli_format_dcp(fixtures_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("cli", [False, True])
-def test_a_shard_size_with_dcp_output_is_refused_in_the_callers_spelling(fixtures_dir: Path, tmp_path: Path, cli: bool) -> None:
+def test_a_shard_size_with_dcp_output_is_refused_in_the_callers_spelling(
+    fixtures_dir: Path, tmp_path: Path, cli: bool
+) -> None:
     # Before, the command line was told "max_shard_size is for Hugging Face shards".
     if cli:
         from click.testing import CliRunner
 
         from ckptkit.cli import main
 
-        result = CliRunner().invoke(main, ["convert", str(fixtures_dir / "ddp.pt"), str(tmp_path / "o.dcp"), "--format", "dcp", "--max-shard-size", "1KB"])
+        result = CliRunner().invoke(
+            main,
+            [
+                "convert",
+                str(fixtures_dir / "ddp.pt"),
+                str(tmp_path / "o.dcp"),
+                "--format",
+                "dcp",
+                "--max-shard-size",
+                "1KB",
+            ],
+        )
         assert result.exit_code == 2 and "max_shard_size" not in result.stderr and "format=" not in result.stderr
-        assert "--max-shard-size is for Hugging Face shards; --format dcp writes one DCP folder, so leave --max-shard-size out" in result.stderr
+        assert (
+            "--max-shard-size is for Hugging Face shards; --format dcp writes one DCP folder, so leave --max-shard-size out"
+            in result.stderr
+        )
     else:
-        with pytest.raises(ArgumentError, match=r"max_shard_size is for Hugging Face shards; format=\"dcp\" writes one DCP folder"):
+        with pytest.raises(
+            ArgumentError, match=r"max_shard_size is for Hugging Face shards; format=\"dcp\" writes one DCP folder"
+        ):
             ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "o.dcp", format="dcp", max_shard_size="1KB")
     assert not (tmp_path / "o.dcp").exists()
 
 
-@pytest.mark.parametrize(("name", "option"), [("out.safetensors", {"max_shard_size": "1KB"}), ("out.PT", {"format": "dcp"})])
-def test_a_folder_output_named_like_a_file_is_refused(fixtures_dir: Path, tmp_path: Path, name: str, option: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("name", "option"), [("out.safetensors", {"max_shard_size": "1KB"}), ("out.PT", {"format": "dcp"})]
+)
+def test_a_folder_output_named_like_a_file_is_refused(
+    fixtures_dir: Path, tmp_path: Path, name: str, option: dict[str, str]
+) -> None:
     # Before, a folder called out.safetensors (or out.PT) was made.
     option_name = "max_shard_size" if "max_shard_size" in option else 'format="dcp"'
-    with pytest.raises(ArgumentError, match=rf"{name} names a \.\w+ file, but {option_name} writes a folder; name the folder without the suffix \(.*out/\) or end the name with / to keep it"):
+    with pytest.raises(
+        ArgumentError,
+        match=rf"{name} names a \.\w+ file, but {option_name} writes a folder; name the folder without the suffix \(.*out/\) or end the name with / to keep it",
+    ):
         ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / name, **option)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
     ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", f"{tmp_path / name}/", **option)  # type: ignore[arg-type]  # said to be a folder: made

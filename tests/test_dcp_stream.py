@@ -102,13 +102,19 @@ def _flip_payload_bit(folder: Path, fqn: str, piece: int) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-def test_damaged_chunk_fails_naming_the_tensor_and_writes_nothing(fixtures_dir: Path, tmp_path: Path, suffix: str) -> None:
+def test_damaged_chunk_fails_naming_the_tensor_and_writes_nothing(
+    fixtures_dir: Path, tmp_path: Path, suffix: str
+) -> None:
     folder = tmp_path / "ckpt.dcp"
     shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
     _flip_payload_bit(folder, "mlp.0.weight", 1)
     out = tmp_path / f"single{suffix}"
-    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit.cli", "convert", str(folder), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "tensor mlp.0.weight (chunk at [7, 0] in __1_0.distcp)" in proc.stderr and "damaged" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -124,7 +130,9 @@ def _rewrite_metadata(folder: Path, edit: object) -> None:
 
 
 @pytest.mark.parametrize(("row", "message"), [(18, "overlap at row 18"), (20, "leave rows 19..19 uncovered")])
-def test_chunks_that_do_not_tile_are_an_error_naming_the_key(fixtures_dir: Path, tmp_path: Path, row: int, message: str) -> None:
+def test_chunks_that_do_not_tile_are_an_error_naming_the_key(
+    fixtures_dir: Path, tmp_path: Path, row: int, message: str
+) -> None:
     folder = tmp_path / "ckpt.dcp"
     shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
 
@@ -145,7 +153,9 @@ def test_chunks_that_do_not_tile_are_an_error_naming_the_key(fixtures_dir: Path,
 def test_chunks_split_along_dim_1_fall_back_to_torch(fixtures_dir: Path, tmp_path: Path) -> None:
     report = ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp_dim1", tmp_path / "out.safetensors")
     assert not report.fast and report.fallback_reason == "tensor mlp.0.weight is split along dim 1: loaded with torch"
-    _assert_same(_read(tmp_path / "out.safetensors"), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True))
+    _assert_same(
+        _read(tmp_path / "out.safetensors"), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True)
+    )
 
 
 def _save(tmp_path: Path, state: dict[str, object]) -> Path:
@@ -158,8 +168,12 @@ def _save(tmp_path: Path, state: dict[str, object]) -> Path:
 
 def _nested_state() -> dict[str, object]:
     torch.manual_seed(0)
-    model = {"module.fc.weight": torch.randn(5, 3), "module.fc.bias": torch.randn(5),
-             "module.emb.weight": torch.randn(7, 2).to(torch.bfloat16), "module.steps": torch.tensor(3)}  # fmt: skip
+    model = {
+        "module.fc.weight": torch.randn(5, 3),
+        "module.fc.bias": torch.randn(5),
+        "module.emb.weight": torch.randn(7, 2).to(torch.bfloat16),
+        "module.steps": torch.tensor(3),
+    }
     return {"model": model, "epoch": 4, "optim": {"param_groups": [{"lr": 0.1, "params": [0, 1]}], "note": "x"}}
 
 
@@ -167,7 +181,10 @@ def _nested_state() -> dict[str, object]:
     ("state", "reason"),
     [
         (_nested_state, ""),  # nested dicts, lists, plain values and a 0-d tensor: all modelled
-        (lambda: {"w": torch.randn(3, 4).t(), "b": torch.ones(2)}, "tensor w's chunk at [0, 0] in __0_0.distcp is not contiguous"),
+        (
+            lambda: {"w": torch.randn(3, 4).t(), "b": torch.ones(2)},
+            "tensor w's chunk at [0, 0] in __0_0.distcp is not contiguous",
+        ),
         (lambda: {"model": {"w": torch.ones(2)}, "size": torch.Size([2, 3])}, ""),
         (lambda: {"model": {"w": torch.ones(2)}, "dtype": torch.float16, "lists": [[torch.zeros(1)], {"a": [1]}]}, ""),
         (lambda: {"model": {"w": torch.ones(2)}, "pair": (torch.ones(1), 2)}, "value pair holds tensors"),
@@ -179,7 +196,9 @@ def test_stream_and_torch_give_the_same_checkpoint(tmp_path: Path, state: object
     streamed = ckptkit.convert_checkpoint(folder, tmp_path / "streamed.pt")
     loaded = ckptkit.convert_checkpoint(folder, tmp_path / "loaded.pt", trust=True)  # always torch
     assert not loaded.fast
-    assert streamed.fast is (reason == "") and streamed.fallback_reason == (f"{reason}: loaded with torch" if reason else "")
+    assert streamed.fast is (reason == "") and streamed.fallback_reason == (
+        f"{reason}: loaded with torch" if reason else ""
+    )
     a = torch.load(tmp_path / "streamed.pt", weights_only=True)
     b = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert _flat(a) == _flat(b)
@@ -217,9 +236,15 @@ def test_inspect_reads_the_metadata_without_torch(fixtures_dir: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     summary, imported_torch = proc.stdout.splitlines()
-    assert json.loads(summary) == [False, [["embed.weight", [37, 8], "float32", 37 * 8 * 4], ["ln1.weight", [8], "float32", 32]], 16]
+    assert json.loads(summary) == [
+        False,
+        [["embed.weight", [37, 8], "float32", 37 * 8 * 4], ["ln1.weight", [8], "float32", 32]],
+        16,
+    ]
     assert imported_torch == "False"
-    assert ckptkit.inspect_checkpoint(fixtures_dir / "fsdp2_dcp_dim1").loaded_with_torch  # split along dim 1: torch reads it
+    assert ckptkit.inspect_checkpoint(
+        fixtures_dir / "fsdp2_dcp_dim1"
+    ).loaded_with_torch  # split along dim 1: torch reads it
 
 
 def test_fsdp2_folder_into_hugging_face_shards_without_torch(fixtures_dir: Path, tmp_path: Path) -> None:
@@ -252,14 +277,28 @@ def test_metadata_naming_a_dotted_attribute_of_a_dcp_module_is_refused(tmp_path:
     folder.mkdir()
     module, name, arg = b"torch.distributed.checkpoint.metadata", b"os.system", f"touch {marker}".encode()
     (folder / ".metadata").write_bytes(
-        b"\x80\x04" + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module + pickle.SHORT_BINUNICODE + bytes([len(name)])
-        + name + pickle.STACK_GLOBAL + pickle.SHORT_BINUNICODE + bytes([len(arg)]) + arg + pickle.TUPLE1 + pickle.REDUCE
+        b"\x80\x04"
+        + pickle.SHORT_BINUNICODE
+        + bytes([len(module)])
+        + module
+        + pickle.SHORT_BINUNICODE
+        + bytes([len(name)])
+        + name
+        + pickle.STACK_GLOBAL
+        + pickle.SHORT_BINUNICODE
+        + bytes([len(arg)])
+        + arg
+        + pickle.TUPLE1
+        + pickle.REDUCE
         + pickle.STOP
-    )  # fmt: skip
+    )
     args = [command, str(folder)] + ([str(tmp_path / "out.pt")] if command == "convert" else [])
     proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and not marker.exists()
-    assert "torch.distributed.checkpoint.metadata.os.system" in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        "torch.distributed.checkpoint.metadata.os.system" in proc.stdout + proc.stderr
+        and "Traceback" not in proc.stderr
+    )
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "convert", "read"])
@@ -273,15 +312,21 @@ def test_a_planner_data_index_beyond_the_entries_is_refused_before_any_reader_al
     meta = pickle.loads((folder / ".metadata").read_bytes())  # the fixture's own, written by DCP
     meta.planner_data["embed.weight"] = ("embed.weight", 10**14)
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
-    args = {"convert": ["convert", str(folder), str(tmp_path / "o.pt")], "read": [], "verify": ["verify", str(folder), "--json"]}.get(
-        command, [command, str(folder)]
+    args = {
+        "convert": ["convert", str(folder), str(tmp_path / "o.pt")],
+        "read": [],
+        "verify": ["verify", str(folder), "--json"],
+    }.get(command, [command, str(folder)])
+    cmd = (
+        [sys.executable, "-m", "ckptkit.cli", *args]
+        if args
+        else [sys.executable, "-c", f"import ckptkit; ckptkit.read_checkpoint({str(folder)!r})"]
     )
-    cmd = [sys.executable, "-m", "ckptkit.cli", *args] if args else [
-        sys.executable, "-c", f"import ckptkit; ckptkit.read_checkpoint({str(folder)!r})"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=limited_memory)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "planner_data path ['embed.weight', 100000000000000] has list index 100000000000000, beyond the folder's 16 entries" in (
-        proc.stdout + proc.stderr
+    assert (
+        "planner_data path ['embed.weight', 100000000000000] has list index 100000000000000, beyond the folder's 16 entries"
+        in (proc.stdout + proc.stderr)
     )
     assert "MemoryError" not in proc.stderr and (command == "read" or "Traceback" not in proc.stderr)
 

@@ -173,7 +173,9 @@ def test_zero3_rank_file_alone_is_refused(tmp_path: Path) -> None:
         ckptkit.load_for_rank(rank_file, model=TinyLM())
     assert "ZeRO-3" in " ".join(ckptkit.inspect_checkpoint(rank_file).notes)
     # Stage 1/2's model-state file holds full 16-bit weights: read as it is.
-    ckptkit.convert_checkpoint(folder("bf16", 2) / "global_step3" / "mp_rank_00_model_states.pt", tmp_path / "ms.pt", model_only=True)
+    ckptkit.convert_checkpoint(
+        folder("bf16", 2) / "global_step3" / "mp_rank_00_model_states.pt", tmp_path / "ms.pt", model_only=True
+    )
 
 
 def test_empty_storage_under_a_nonempty_shape_is_refused(tmp_path: Path) -> None:
@@ -239,15 +241,18 @@ def test_missing_rank_is_refused(tmp_path: Path) -> None:
 
 
 def test_convert_needs_no_torch(tmp_path: Path) -> None:
-    proc, imported = run_torch_free(["convert", folder("bf16", 3), tmp_path / "a.safetensors"],
-                                    ["inspect", folder("bf16", 2)], ["verify", folder("bf16", 1)])  # fmt: skip
+    proc, imported = run_torch_free(
+        ["convert", folder("bf16", 3), tmp_path / "a.safetensors"],
+        ["inspect", folder("bf16", 2)],
+        ["verify", folder("bf16", 1)],
+    )
     assert proc.returncode == 0, proc.stderr
     assert not imported
     assert_exact(ckptkit.read_checkpoint(tmp_path / "a.safetensors"), expected("bf16", 3))
 
 
 def test_upcast_matches_torch() -> None:
-    values = torch.tensor([0.0, -1.5, 3.1e38, float("inf"), 1e-40, 65504.0, -2.0**-24], dtype=torch.float64)
+    values = torch.tensor([0.0, -1.5, 3.1e38, float("inf"), 1e-40, 65504.0, -(2.0**-24)], dtype=torch.float64)
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         t = values.to(dtype)
         raw = bytes(bits(t).numpy())

@@ -47,7 +47,11 @@ def test_rank0_dying_mid_save_does_not_hang_the_others(tmp_path: Path) -> None:
     results = run_group(w.save_with_rank0_fault, 3, tmp_path, str(path), "die", timeout=90)
     assert results[0].status == "died" and results[0].exitcode == 13
     for r in results[1:]:
-        assert r.raised("DistributedError"), (r.rank, r.status, r.message)  # not hung: run_group's deadline would say so
+        assert r.raised("DistributedError"), (
+            r.rank,
+            r.status,
+            r.message,
+        )  # not hung: run_group's deadline would say so
     assert not path.exists()
 
 

@@ -47,15 +47,30 @@ def _mkdocs() -> None:
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _mkdocs()
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(out)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
 
 def test_the_site_builds_strictly_with_every_page(site: Path) -> None:
-    for page in ("index.html", "cli/index.html", "formats/index.html", "training/index.html", "trainer/index.html",
-                 "safety/index.html", "reliability/index.html", "benchmarks/index.html", "api/index.html"):  # fmt: skip
+    for page in (
+        "index.html",
+        "cli/index.html",
+        "formats/index.html",
+        "training/index.html",
+        "trainer/index.html",
+        "safety/index.html",
+        "reliability/index.html",
+        "benchmarks/index.html",
+        "api/index.html",
+    ):
         assert (site / page).is_file(), page
 
 
@@ -68,8 +83,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def served(site: Path) -> Iterator[str]:
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(site)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(site)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(200):  # up to 20 s for the server to listen
             with socket.socket() as s:
@@ -90,8 +108,18 @@ def _dom(url: str, tmp_path: Path) -> str:
     """The page's DOM after its scripts ran, as headless Chromium has it."""
     browser = _browser()
     profile = tmp_path / "chromium-profile"
-    args = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-            f"--user-data-dir={profile}", "--virtual-time-budget=5000", "--dump-dom", url]  # fmt: skip
+    args = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        url,
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "<html" in proc.stdout, f"chromium exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return proc.stdout

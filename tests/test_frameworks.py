@@ -53,7 +53,9 @@ def _framework(name: str) -> Any:
     try:
         return importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip, said as it is
-        pytest.skip(f"{name} cannot be imported here ({type(e).__name__}: {e}); see fixtures/make_framework_fixtures.py")
+        pytest.skip(
+            f"{name} cannot be imported here ({type(e).__name__}: {e}); see fixtures/make_framework_fixtures.py"
+        )
 
 
 def _needs(name: str) -> None:
@@ -86,7 +88,9 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("name", "producer", "weights", "ema", "opts"), CASES, ids=[c[0] for c in CASES])
-def test_inspect_names_the_producer(name: str, producer: str, weights: str, ema: str | None, opts: dict[str, Any]) -> None:
+def test_inspect_names_the_producer(
+    name: str, producer: str, weights: str, ema: str | None, opts: dict[str, Any]
+) -> None:
     _needs(name)
     s = ckptkit.inspect_checkpoint(FW / name, **opts)
     assert s.producer is not None, s
@@ -112,7 +116,9 @@ def test_inspect_describes_the_folders() -> None:
 
 
 @pytest.mark.parametrize(("name", "producer", "weights", "ema", "opts"), CASES, ids=[c[0] for c in CASES])
-def test_convert_takes_the_weights(tmp_path: Path, name: str, producer: str, weights: str, ema: str | None, opts: dict[str, Any]) -> None:
+def test_convert_takes_the_weights(
+    tmp_path: Path, name: str, producer: str, weights: str, ema: str | None, opts: dict[str, Any]
+) -> None:
     _needs(name)
     out = tmp_path / "model.safetensors"
     report = ckptkit.convert_checkpoint(FW / name, out, model_only=True, **opts)
@@ -126,12 +132,26 @@ def test_convert_takes_the_weights(tmp_path: Path, name: str, producer: str, wei
 
 
 def test_convert_takes_an_ema_copy_by_key(tmp_path: Path) -> None:
-    code, _, err = run("convert", FW / "timm/last.pth.tar", tmp_path / "ema.safetensors", "--key", "state_dict_ema", "--model-only",
-                       "--allow-global", "argparse.Namespace")  # fmt: skip
+    code, _, err = run(
+        "convert",
+        FW / "timm/last.pth.tar",
+        tmp_path / "ema.safetensors",
+        "--key",
+        "state_dict_ema",
+        "--model-only",
+        "--allow-global",
+        "argparse.Namespace",
+    )
     assert code == 0, err
     _same(load_file(tmp_path / "ema.safetensors"), _expected("timm/last.pth.tar", "state_dict_ema"))
-    ckptkit.convert_checkpoint(FW / "torch/averaged_model.pt", tmp_path / "avg.safetensors", key="ema_model", model_only=True)
-    want = {k.removeprefix("module."): v for k, v in _expected("torch/averaged_model.pt", "ema_model").items() if k != "n_averaged"}
+    ckptkit.convert_checkpoint(
+        FW / "torch/averaged_model.pt", tmp_path / "avg.safetensors", key="ema_model", model_only=True
+    )
+    want = {
+        k.removeprefix("module."): v
+        for k, v in _expected("torch/averaged_model.pt", "ema_model").items()
+        if k != "n_averaged"
+    }
     _same(ckptkit.read_checkpoint(tmp_path / "avg.safetensors"), want)
 
 
@@ -167,7 +187,9 @@ def test_accelerate_folder_loads_like_load_state() -> None:
         ckptkit.load_for_rank(FW / name, model=ours)
         _same(ours.state_dict(), model.state_dict())
         other = torch.nn.Linear(8, 2)
-        ckptkit.load_for_rank(FW / name / ("model_1.safetensors" if name == "accelerate" else "pytorch_model_1.bin"), model=other)
+        ckptkit.load_for_rank(
+            FW / name / ("model_1.safetensors" if name == "accelerate" else "pytorch_model_1.bin"), model=other
+        )
         _same(other.state_dict(), second.state_dict())
 
 

@@ -60,8 +60,9 @@ def test_a_gpu_training_state_with_grad_scaler_resumes_here(gpu_dir: Path) -> No
     torch.manual_seed(123)  # anything else: the resume must put the saved stream back
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        state = ckptkit.load_training_state(gpu_dir / "scaler_rng_cuda.pt", model=model, optimizer=opt, scaler=scaler,
-                                            map_location="cpu")  # fmt: skip
+        state = ckptkit.load_training_state(
+            gpu_dir / "scaler_rng_cuda.pt", model=model, optimizer=opt, scaler=scaler, map_location="cpu"
+        )
     assert state.step == 4
     assert_same_tree(model.state_dict(), expected["model"])
     assert_same_tree(_cpu(opt.state_dict()), expected["optimizer"])

@@ -63,7 +63,9 @@ def test_folder_or_index_reads_as_one_state_dict(kind: str, path: Path) -> None:
 
 @pytest.mark.parametrize(("kind", "path"), shapes(), ids=lambda v: v if isinstance(v, str) else v.name)
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-def test_cli_converts_inspects_verifies_and_diffs_the_whole_model(tmp_path: Path, kind: str, path: Path, suffix: str) -> None:
+def test_cli_converts_inspects_verifies_and_diffs_the_whole_model(
+    tmp_path: Path, kind: str, path: Path, suffix: str
+) -> None:
     out = tmp_path / f"model{suffix}"
     code, stdout, stderr = run("convert", path, out)
     assert code == 0, stderr
@@ -97,12 +99,23 @@ def _copy(kind: str, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "bin"])
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda wm: wm.pop("bn.bias"), "extra key bn.bias in {shard}: the index does not list it"),
-    (lambda wm: wm.update({"fc3.weight": wm["fc1.weight"]}), "missing key fc3.weight: the index puts it in {first}, which does not hold it"),
-    (lambda wm: wm.update({"fc1.bias": wm["fc2.weight"]}), "missing key fc1.bias: the index puts it in {last}, which does not hold it (it is in {shard})"),
-])  # fmt: skip
-def test_a_weight_map_that_disagrees_with_the_shards_names_the_key(tmp_path: Path, kind: str, edit, message: str) -> None:
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda wm: wm.pop("bn.bias"), "extra key bn.bias in {shard}: the index does not list it"),
+        (
+            lambda wm: wm.update({"fc3.weight": wm["fc1.weight"]}),
+            "missing key fc3.weight: the index puts it in {first}, which does not hold it",
+        ),
+        (
+            lambda wm: wm.update({"fc1.bias": wm["fc2.weight"]}),
+            "missing key fc1.bias: the index puts it in {last}, which does not hold it (it is in {shard})",
+        ),
+    ],
+)
+def test_a_weight_map_that_disagrees_with_the_shards_names_the_key(
+    tmp_path: Path, kind: str, edit, message: str
+) -> None:
     folder = _copy(kind, tmp_path)
     index = json.loads((folder / INDEX[kind]).read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -151,7 +164,9 @@ def _tied_state() -> dict[str, torch.Tensor]:
 def test_the_split_and_index_are_huggingface_hubs(tmp_path: Path, size: int | str, make, source: str) -> None:
     state = make()
     (tmp_path / "hf").mkdir()
-    save_torch_state_dict(dict(state), tmp_path / "hf", max_shard_size=size)  # it drops tied names from what it is given
+    save_torch_state_dict(
+        dict(state), tmp_path / "hf", max_shard_size=size
+    )  # it drops tied names from what it is given
     src = tmp_path / f"src{source if source != 'legacy' else '.pt'}"
     if source == "legacy":  # read with torch: the torch-side writer
         torch.save({f"module.{k}": v for k, v in state.items()}, src, _use_new_zipfile_serialization=False)
@@ -161,7 +176,9 @@ def test_the_split_and_index_are_huggingface_hubs(tmp_path: Path, size: int | st
     assert report.fast == (source != "legacy") and report.destination_format == "hf-sharded"
     assert _layout(tmp_path / "ours") == _layout(tmp_path / "hf")
     if len(list((tmp_path / "hf").iterdir())) > 1:  # the index, byte for byte where the order is fixed
-        assert (tmp_path / "ours" / "model.safetensors.index.json").read_text() == (tmp_path / "hf" / "model.safetensors.index.json").read_text()
+        assert (tmp_path / "ours" / "model.safetensors.index.json").read_text() == (
+            tmp_path / "hf" / "model.safetensors.index.json"
+        ).read_text()
     model = TiedLM() if make is _tied_state else TinyNet()
     if make is _tied_state:  # huggingface_hub's strict check misses the name it dropped, for its own save too
         for folder in ("hf", "ours"):
@@ -176,7 +193,9 @@ def test_the_split_and_index_are_huggingface_hubs(tmp_path: Path, size: int | st
 
 
 @pytest.mark.parametrize("open_at_most", [64, 2])
-def test_the_shards_are_made_durable_after_all_are_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, open_at_most: int) -> None:
+def test_the_shards_are_made_durable_after_all_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, open_at_most: int
+) -> None:
     """An fsync waits for the disk; syncing each shard before writing the next left the copy
     waiting at every shard. Each file is still synced, before the folder is put in place, and
     through the descriptor that wrote it: a reopened one may miss a failed writeback."""
@@ -226,7 +245,9 @@ def test_which_destinations_are_folders(tmp_path: Path, dst: str) -> None:
 
 
 def test_convert_writes_hf_shards_from_hf_shards(tmp_path: Path) -> None:
-    code, stdout, stderr = run("convert", HF / "bin", tmp_path / "st", "--max-shard-size", str(MAX_SHARD_SIZE), "--to", "ddp")
+    code, stdout, stderr = run(
+        "convert", HF / "bin", tmp_path / "st", "--max-shard-size", str(MAX_SHARD_SIZE), "--to", "ddp"
+    )
     assert code == 0, stderr
     back = ckptkit.read_checkpoint(tmp_path / "st", map_location="cpu")
     assert_same(dict(back), {f"module.{k}": v for k, v in hf_state_dict().items()})
@@ -280,7 +301,9 @@ def test_a_leftover_temp_folder_of_a_dead_writer_is_removed(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("existing", [False, True])
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
-def test_an_interrupted_folder_write_leaves_the_old_folder_or_nothing(tmp_path: Path, existing: bool, stop: type[BaseException]) -> None:
+def test_an_interrupted_folder_write_leaves_the_old_folder_or_nothing(
+    tmp_path: Path, existing: bool, stop: type[BaseException]
+) -> None:
     from ckptkit.io.atomicdir import atomic_folder
 
     out = tmp_path / "out"
@@ -310,7 +333,9 @@ def test_one_shard_in_python_warns_naming_its_index(kind: str) -> None:
 def test_an_index_naming_an_index_as_its_shard_is_an_error_not_a_recursion(tmp_path: Path, command: str) -> None:
     folder = tmp_path / "loop"
     folder.mkdir()
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"a": "model.safetensors.index.json"}}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"a": "model.safetensors.index.json"}})
+    )
     code, stdout, stderr = run(command, folder, *([tmp_path / "o.pt"] if command == "convert" else []))
     assert code == 1 and "Traceback" not in stderr and "RecursionError" not in stdout + stderr
     said = stdout + stderr
@@ -348,7 +373,11 @@ def test_a_symlinked_output_folder_is_refused_and_left_alone(tmp_path: Path) -> 
     link.symlink_to(real)
     code, _, stderr = run("convert", FIXTURES / "ddp.pt", link, "--max-shard-size", "2KB")
     assert code == 2 and "is a symbolic link; give the folder it points to" in stderr
-    assert link.is_symlink() and list(real.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    assert (
+        link.is_symlink()
+        and list(real.iterdir()) == []
+        and sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    )
 
 
 def test_a_key_in_two_shards_is_an_error_not_the_later_one(tmp_path: Path) -> None:
@@ -358,7 +387,10 @@ def test_a_key_in_two_shards_is_an_error_not_the_later_one(tmp_path: Path) -> No
     folder.mkdir()
     save_file({"a": torch.ones(1), "b": torch.ones(1)}, folder / "model-00001-of-00002.safetensors")
     save_file({"b": torch.zeros(1)}, folder / "model-00002-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"key b is in 2 shards"):
         ckptkit.read_checkpoint(folder)
@@ -375,4 +407,6 @@ def test_pt_to_shards_and_back_never_imports_torch(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert not imported_torch
     assert len(list(hf.glob("model-*-of-*.safetensors"))) > 1
-    assert_same(torch.load(tmp_path / "back.pt", weights_only=True), torch.load(FIXTURES / "plain.pt", weights_only=True))
+    assert_same(
+        torch.load(tmp_path / "back.pt", weights_only=True), torch.load(FIXTURES / "plain.pt", weights_only=True)
+    )

@@ -33,8 +33,11 @@ def test_inspect_trust_does_not_claim_weights_only(fixtures_dir: Path) -> None:
 
 # Was: inspect of a flat state dict lists every key twice.
 def test_inspect_flat_state_dict_lists_each_key_once(fixtures_dir: Path) -> None:
-    keys = [k for k in torch.load(fixtures_dir / "plain.pt", weights_only=True)
-            if not any(part.isdigit() for part in k.split("."))]  # fmt: skip
+    keys = [
+        k
+        for k in torch.load(fixtures_dir / "plain.pt", weights_only=True)
+        if not any(part.isdigit() for part in k.split("."))
+    ]
     assert len(keys) == 9
     code, out, err = run("inspect", fixtures_dir / "plain.pt")
     assert code == 0, err

@@ -36,11 +36,18 @@ class Venv:
         subprocess.run([python, "-m", "venv", str(path)], check=True, timeout=300, capture_output=True)
         self.bin = path / "bin"
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        self.env = {**env, "OMP_NUM_THREADS": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-                    "VIRTUAL_ENV": str(path), "PATH": f"{self.bin}:{env['PATH']}"}  # fmt: skip
+        self.env = {
+            **env,
+            "OMP_NUM_THREADS": "1",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "VIRTUAL_ENV": str(path),
+            "PATH": f"{self.bin}:{env['PATH']}",
+        }
 
     def run(self, *cmd: object, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(c) for c in cmd], cwd=cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [str(c) for c in cmd], cwd=cwd, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
 
     def pip_install(self, *args: object, cwd: Path) -> None:
         done = self.run("pip", "install", "-q", *args, cwd=cwd, timeout=900)
@@ -64,7 +71,12 @@ def test_a_new_user_from_the_parent_folder_of_a_fresh_clone(tmp_path: Path) -> N
     venv.pip_install(TORCH, cwd=clone)  # the README's "pip install torch==2.13.0 && pip install -e ."
     venv.pip_install("-e", ".", cwd=clone)
 
-    where = venv.run("python", "-c", "import ckptkit; print(ckptkit.__file__, ckptkit.ResumableDistributedSampler.__name__)", cwd=tmp_path)
+    where = venv.run(
+        "python",
+        "-c",
+        "import ckptkit; print(ckptkit.__file__, ckptkit.ResumableDistributedSampler.__name__)",
+        cwd=tmp_path,
+    )
     assert where.returncode == 0, where.stderr
     assert where.stdout.split() == [str(clone / "src" / "ckptkit" / "__init__.py"), "ResumableDistributedSampler"]
     assert venv.run("ckptkit", "--help", cwd=tmp_path).returncode == 0
@@ -86,14 +98,20 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, tree / name)
     shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(tree)],
-                           capture_output=True, text=True, timeout=900)  # fmt: skip
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(tree)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("ckptkit-*-py3-none-any.whl")
 
     venv = Venv(tmp_path / "venv")
     venv.pip_install(TORCH, wheel, cwd=tmp_path)
-    where = venv.run("python", "-c", "import ckptkit, pathlib; print(pathlib.Path(ckptkit.__file__).parent)", cwd=tmp_path)
+    where = venv.run(
+        "python", "-c", "import ckptkit, pathlib; print(pathlib.Path(ckptkit.__file__).parent)", cwd=tmp_path
+    )
     assert where.returncode == 0, where.stderr
     installed = Path(where.stdout.strip())
     assert installed.is_relative_to(tmp_path / "venv") and (installed / "py.typed").exists()
@@ -105,4 +123,6 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     assert converted.returncode == 0, converted.stderr
     assert "(module. -> no prefix)" in converted.stdout
     keys = venv.run("python", "-c", "import torch; print(*torch.load('single.pt', weights_only=True))", cwd=tmp_path)
-    assert keys.returncode == 0 and keys.stdout.split() and not any(k.startswith("module.") for k in keys.stdout.split())
+    assert (
+        keys.returncode == 0 and keys.stdout.split() and not any(k.startswith("module.") for k in keys.stdout.split())
+    )

@@ -30,11 +30,15 @@ def test_safetensors_written_by_ckptkit_detects_a_flipped_bit(tmp_path: Path) ->
     assert verify_ok(path)
     flip(path, 10)  # inside the last tensor's bytes
     assert not verify_ok(path)
-    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="failed verification: CRC-32 of every tensor: damaged"):
+    with pytest.raises(
+        ckptkit.errors.CheckpointFormatError, match="failed verification: CRC-32 of every tensor: damaged"
+    ):
         ckptkit.load_for_rank(path, verify=True)
 
 
-@pytest.mark.parametrize("route", [("ddp.pt", ".safetensors"), ("tied.safetensors", ".safetensors"), ("tied.safetensors", ".pt")])
+@pytest.mark.parametrize(
+    "route", [("ddp.pt", ".safetensors"), ("tied.safetensors", ".safetensors"), ("tied.safetensors", ".pt")]
+)
 def test_conversions_keep_checksums_valid(fixtures_dir: Path, tmp_path: Path, route: tuple[str, str]) -> None:
     src, suffix = route
     out = tmp_path / f"out{suffix}"

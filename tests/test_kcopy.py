@@ -17,7 +17,9 @@ from ckptkit.io import fileio
 MiB = 1 << 20
 
 
-def _copy(tmp_path: Path, data: bytes, src_at: int, length: int, *, pad: int = 1, mode: str = "wb", crc: bool = True) -> int:
+def _copy(
+    tmp_path: Path, data: bytes, src_at: int, length: int, *, pad: int = 1, mode: str = "wb", crc: bool = True
+) -> int:
     (tmp_path / "src").write_bytes(data)
     seen: list[int] = []
     with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", mode) as dst:

@@ -39,7 +39,11 @@ def _assert_equal(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> 
 @pytest.mark.parametrize("wrap", ["plain", "compiled", "dataparallel"])
 def test_lightning_net_attribute_loads_into_the_plain_network(wrap: str) -> None:
     net = TinyNet()
-    target = {"plain": net, "compiled": torch.compile(net, backend="eager"), "dataparallel": torch.nn.DataParallel(net)}[wrap]
+    target = {
+        "plain": net,
+        "compiled": torch.compile(net, backend="eager"),
+        "dataparallel": torch.nn.DataParallel(net),
+    }[wrap]
     with pytest.warns(UserWarning, match=r"under 'net\.', the only part of the checkpoint that fits TinyNet"):
         ckptkit.load_for_rank(COMPILED, model=target)
     _assert_equal(net, _expected("compiled_net"))
@@ -83,7 +87,9 @@ def test_key_with_a_trailing_dot_selects_a_prefix(key: str) -> None:
 
 
 def test_unknown_prefix_key_names_the_prefixes_there() -> None:
-    with pytest.raises(ckptkit.errors.LayoutError, match=r"no weight starts with 'pupil\.' \(they start with teacher\., student\.\)"):
+    with pytest.raises(
+        ckptkit.errors.LayoutError, match=r"no weight starts with 'pupil\.' \(they start with teacher\., student\.\)"
+    ):
         ckptkit.load_for_rank(DISTIL, model=TinyNet(), key="pupil.")
 
 
@@ -108,9 +114,21 @@ def test_fitting_prefixes(state: dict[str, tuple[int, ...]], fits: list[str]) ->
 def test_convert_writes_one_part_with_key_and_model_only(tmp_path: Path) -> None:
     out = tmp_path / "student.safetensors"
     run = subprocess.run(
-        [sys.executable, "-m", "ckptkit.cli", "convert", str(DISTIL), str(out), "--key", "student.", "--model-only", "--json"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ckptkit.cli",
+            "convert",
+            str(DISTIL),
+            str(out),
+            "--key",
+            "student.",
+            "--model-only",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["dropped"][-1] == "9 weight(s) outside student."
@@ -123,10 +141,15 @@ def test_convert_writes_one_part_with_key_and_model_only(tmp_path: Path) -> None
 def test_convert_refuses_part_of_the_weights_without_model_only(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "ckptkit.cli", "convert", str(DISTIL), str(tmp_path / "s.pt"), "--key", "student."],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode != 0 and not (tmp_path / "s.pt").exists()
-    assert "--key student. selects part of" in run.stderr and "--model-only" in run.stderr and "--strip student." in run.stderr
+    assert (
+        "--key student. selects part of" in run.stderr
+        and "--model-only" in run.stderr
+        and "--strip student." in run.stderr
+    )
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -136,9 +159,14 @@ def test_a_copy_that_fits_is_taken_when_the_top_level_does_not(tmp_path: Path, s
     # Before, strict raised a shape mismatch and strict=False loaded the top level minus that key.
     torch.manual_seed(0)
     fits = TinyNet().state_dict()
-    top = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) if k == "fc1.weight" else torch.zeros_like(v) for k, v in fits.items()}
+    top = {
+        k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) if k == "fc1.weight" else torch.zeros_like(v)
+        for k, v in fits.items()
+    }
     torch.save({**top, **{f"ema.{k}": v for k, v in fits.items()}}, tmp_path / "c.pt")
     net = TinyNet()
-    with pytest.warns(UserWarning, match=r"loaded the weights under 'ema\.', the only part of the checkpoint that fits TinyNet"):
+    with pytest.warns(
+        UserWarning, match=r"loaded the weights under 'ema\.', the only part of the checkpoint that fits TinyNet"
+    ):
         ckptkit.load_for_rank(tmp_path / "c.pt", model=net, strict=strict)
     _assert_equal(net, fits)

@@ -27,9 +27,19 @@ def assert_weights(model: nn.Module, ref: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["plain.pt", "ddp.pt", "dp.pth", "compiled.pt", "compiled_of_ddp.pt", "ddp_of_compiled.pt",
-     "legacy_ddp.pt", "ddp.safetensors", "train_ckpt.pt", "cuda0_ddp.pt"],
-)  # fmt: skip
+    [
+        "plain.pt",
+        "ddp.pt",
+        "dp.pth",
+        "compiled.pt",
+        "compiled_of_ddp.pt",
+        "ddp_of_compiled.pt",
+        "legacy_ddp.pt",
+        "ddp.safetensors",
+        "train_ckpt.pt",
+        "cuda0_ddp.pt",
+    ],
+)
 @pytest.mark.parametrize("wrap", [lambda m: m, nn.DataParallel, torch.compile])
 def test_load_for_rank_into_any_wrapping(fixtures_dir: Path, name: str, wrap) -> None:
     model = wrap(TinyNet())

@@ -33,9 +33,15 @@ from tests.torchfree import limited_memory, run_torch_free
 
 PICKLED = Path(__file__).resolve().parent.parent / "fixtures" / "pickled"
 NAMES = ["plain", "dp", "ddp", "compiled", "compiled_ran", "dp_of_compiled", "gone"]
-DESCRIPTIONS = {"plain": "ToyCNN", "dp": "DataParallel(ToyCNN)", "ddp": "DistributedDataParallel(ToyCNN)",
-                "compiled": "OptimizedModule(ToyCNN)", "compiled_ran": "OptimizedModule(ToyCNN)", "dp_of_compiled": "DataParallel(OptimizedModule(ToyCNN))",
-                "gone": "GoneNet"}  # fmt: skip
+DESCRIPTIONS = {
+    "plain": "ToyCNN",
+    "dp": "DataParallel(ToyCNN)",
+    "ddp": "DistributedDataParallel(ToyCNN)",
+    "compiled": "OptimizedModule(ToyCNN)",
+    "compiled_ran": "OptimizedModule(ToyCNN)",
+    "dp_of_compiled": "DataParallel(OptimizedModule(ToyCNN))",
+    "gone": "GoneNet",
+}
 
 
 # The saved classes, redefined here under other names: what a user loading the weights has.
@@ -98,7 +104,10 @@ def test_fixtures_hold_what_their_names_say() -> None:
     assert list(expected("ddp")) == [f"module.{k}" for k in plain] == list(expected("dp"))
     assert list(expected("compiled")) == [f"_orig_mod.{k}" for k in plain]
     assert list(expected("dp_of_compiled")) == [f"module._orig_mod.{k}" for k in plain]
-    assert all(torch.equal(v, plain[k.split("_orig_mod.")[-1].removeprefix("module.")]) for k, v in expected("dp_of_compiled").items())
+    assert all(
+        torch.equal(v, plain[k.split("_orig_mod.")[-1].removeprefix("module.")])
+        for k, v in expected("dp_of_compiled").items()
+    )
 
 
 @pytest.mark.parametrize("trust", [False, True])
@@ -141,7 +150,10 @@ def test_inspect_cli(name: str) -> None:
         (k, list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in want.items()
     ]
     code, text, _ = run("inspect", PICKLED / f"{name}.pt")
-    assert code == 0 and f"A pickled {DESCRIPTIONS[name]} module: its state_dict() was read without running the pickle" in text
+    assert (
+        code == 0
+        and f"A pickled {DESCRIPTIONS[name]} module: its state_dict() was read without running the pickle" in text
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -197,7 +209,10 @@ def test_any_depth_and_no_cycle(tmp_path: Path) -> None:
     cyclic.add_module("again", cyclic)  # state_dict() would never end
     torch.save(cyclic, tmp_path / "cyclic.pt")
     code, _, err = run("convert", tmp_path / "cyclic.pt", tmp_path / "out.pt")
-    assert code == 1 and err.strip() == f"ckptkit: error: {tmp_path / 'cyclic.pt'}: pickled module: module again contains itself"
+    assert (
+        code == 1
+        and err.strip() == f"ckptkit: error: {tmp_path / 'cyclic.pt'}: pickled module: module again contains itself"
+    )
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -216,7 +231,9 @@ def test_a_storage_declared_larger_than_its_record_is_refused_before_torch_alloc
     bad.write_bytes(flipped.replace(old_crc, new_crc))
     checks = {c.name: c for c in ckptkit.verify_checkpoint(bad).checks}  # every CRC right, a size no record holds
     assert checks["CRC-32 of every record"].ok and not checks["tensors fit their storages"].ok
-    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"bad\.pt: storage 0 declares 1020 bytes but its record holds 12"):
+    with pytest.raises(
+        ckptkit.errors.CheckpointFormatError, match=r"bad\.pt: storage 0 declares 1020 bytes but its record holds 12"
+    ):
         ckptkit.read_checkpoint(bad, trust=True)
     with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"storage 0 declares 1020 bytes"):
         ckptkit.read_checkpoint(bad)
@@ -282,7 +299,9 @@ def test_a_hook_function_is_a_global_kept_as_a_value_and_refused(tmp_path: Path)
     with pytest.raises(UnsafeCheckpointError, match=r"builtins\.print") as info:
         ckptkit.read_checkpoint(tmp_path / "hooked.pt")
     assert info.value.globals == ("builtins.print",)
-    assert_exactly(ckptkit.read_checkpoint(tmp_path / "hooked.pt", allow_globals=["builtins.print"]), model.state_dict())
+    assert_exactly(
+        ckptkit.read_checkpoint(tmp_path / "hooked.pt", allow_globals=["builtins.print"]), model.state_dict()
+    )
 
 
 def test_torch_functions_kept_as_attributes_are_fine(tmp_path: Path) -> None:
@@ -301,7 +320,10 @@ def test_state_dict_hooks_need_trust_and_then_run_in_torch(tmp_path: Path) -> No
     model._register_state_dict_hook(_add_marker_entry)  # changes state_dict(): not modelled
     torch.save(model, tmp_path / "hooked.pt")
     allow = [f"{__name__}._add_marker_entry"]
-    with pytest.raises(UnsafeCheckpointError, match=r"module \(PlainCNN\) has 1 _state_dict_hooks, which state_dict\(\) would run.*pass trust=True"):
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"module \(PlainCNN\) has 1 _state_dict_hooks, which state_dict\(\) would run.*pass trust=True",
+    ):
         ckptkit.read_checkpoint(tmp_path / "hooked.pt", allow_globals=allow)
     got = ckptkit.read_checkpoint(tmp_path / "hooked.pt", trust=True)
     assert list(got)[-1] == "from_hook"
@@ -320,7 +342,9 @@ def test_what_failed_before_now_converts(name: str, tmp_path: Path) -> None:
         code, _, err = run("convert", PICKLED / f"{name}.pt", out, *extra)
         assert code == 0, err
         assert "damaged" not in err and "not a state dict" not in err
-        assert f"holds a pickled {DESCRIPTIONS[name]} module; its state_dict() was read without running the pickle" in err
+        assert (
+            f"holds a pickled {DESCRIPTIONS[name]} module; its state_dict() was read without running the pickle" in err
+        )
         assert "loaded with torch" not in err
         assert_exactly(torch.load(out, weights_only=True), plain_keys(expected(name)))
 
@@ -362,10 +386,14 @@ def test_a_module_shared_along_2_to_the_40_paths_is_refused_not_walked(tmp_path:
         parent.b = m
         m = parent
     torch.save(m, tmp_path / "dag.pt")
-    args = {"inspect": ["-m", "ckptkit.cli", "inspect", str(tmp_path / "dag.pt")],
-            "convert": ["-m", "ckptkit.cli", "convert", str(tmp_path / "dag.pt"), str(tmp_path / "o.pt")],
-            "read": ["-c", f"import ckptkit; ckptkit.read_checkpoint({str(tmp_path / 'dag.pt')!r})"]}[command]  # fmt: skip
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, preexec_fn=limited_memory)
+    args = {
+        "inspect": ["-m", "ckptkit.cli", "inspect", str(tmp_path / "dag.pt")],
+        "convert": ["-m", "ckptkit.cli", "convert", str(tmp_path / "dag.pt"), str(tmp_path / "o.pt")],
+        "read": ["-c", f"import ckptkit; ckptkit.read_checkpoint({str(tmp_path / 'dag.pt')!r})"],
+    }[command]
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=120, preexec_fn=limited_memory
+    )
     assert proc.returncode == 1
     assert "its modules would be visited more than 200,000 times (a submodule shared along many paths)" in proc.stderr
     assert not (tmp_path / "o.pt").exists()
@@ -379,7 +407,9 @@ def test_a_quantized_module_is_not_read_as_its_parameters(tmp_path: Path) -> Non
         warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notes
         q = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(4, 4)), {nn.Linear}, dtype=torch.qint8)
         torch.save(q, tmp_path / "q.pt")
-    result = CliRunner().invoke(main, ["convert", str(tmp_path / "q.pt"), str(tmp_path / "o.pt"),
-                                       "--allow-global", "torch._utils._rebuild_qtensor"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        ["convert", str(tmp_path / "q.pt"), str(tmp_path / "o.pt"), "--allow-global", "torch._utils._rebuild_qtensor"],
+    )
     assert result.exit_code == 1 and "is a quantized module, whose state_dict() is its own code" in result.output
     assert not (tmp_path / "o.pt").exists()

@@ -76,8 +76,11 @@ def _client(endpoint: str) -> Any:
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"module.fc.weight": torch.randn(3 << 20, generator=g), "module.fc.bias": torch.randn(7, generator=g),
-            "module.steps": torch.arange(5)}  # fmt: skip
+    return {
+        "module.fc.weight": torch.randn(3 << 20, generator=g),
+        "module.fc.bias": torch.randn(7, generator=g),
+        "module.steps": torch.arange(5),
+    }
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -141,7 +144,9 @@ def test_inspect_verify_and_diff_read_urls(prefix: str, tmp_path: Path) -> None:
 def test_save_on_master_and_load_for_rank_round_trip(prefix: str, tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 3)
     ckptkit.save_on_master({"model": model.state_dict(), "step": 7}, f"{prefix}/ckpt.pt")
-    assert int(_fs().metadata(f"{prefix}/ckpt.pt")[remote.CRC_KEY], 16) == remote.crc32(_fs().cat_file(f"{prefix}/ckpt.pt"))
+    assert int(_fs().metadata(f"{prefix}/ckpt.pt")[remote.CRC_KEY], 16) == remote.crc32(
+        _fs().cat_file(f"{prefix}/ckpt.pt")
+    )
     fresh = torch.nn.Linear(4, 3)
     obj = ckptkit.load_for_rank(f"{prefix}/ckpt.pt", model=fresh, map_location="cpu", verify=True)
     assert obj["step"] == 7 and _equal(fresh.state_dict(), model.state_dict())
@@ -158,7 +163,9 @@ def test_a_damaged_object_fails_its_recorded_crc(prefix: str, s3_endpoint: str) 
     data[len(data) // 2] ^= 1
     meta = _fs().metadata(url)
     _client(s3_endpoint).put_object(Bucket=BUCKET, Key=_key(url), Body=bytes(data), Metadata=meta)
-    with pytest.raises(ckptkit.errors.CheckpointFormatError, match=f"{url}: its bytes have CRC-32 .* but ckptkit recorded"):
+    with pytest.raises(
+        ckptkit.errors.CheckpointFormatError, match=f"{url}: its bytes have CRC-32 .* but ckptkit recorded"
+    ):
         ckptkit.read_checkpoint(url)
     assert not ckptkit.verify_checkpoint(url).ok
 
@@ -185,7 +192,9 @@ def test_a_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
         ckptkit.read_checkpoint("s3://bucket/ckpt.pt")
     assert "pip install 'ckptkit[s3]'" in str(ckptkit.verify_checkpoint("s3://bucket/ckpt.pt").error)
     code, out, err = run("verify", "s3://bucket/ckpt.pt")  # rich must print "[s3]" as text, not read it as markup
-    assert code == 1 and "URLs need fsspec (and s3fs for s3://), which is not installed; pip install 'ckptkit[s3]'" in out
+    assert (
+        code == 1 and "URLs need fsspec (and s3fs for s3://), which is not installed; pip install 'ckptkit[s3]'" in out
+    )
     assert "Traceback" not in out + err
     code, _, err = run("inspect", "s3://bucket/ckpt.pt")
     assert code == 2 and len(lines(err)) == 1 and "pip install 'ckptkit[s3]'" in err
@@ -206,7 +215,9 @@ def _fail_part(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
     monkeypatch.setattr(s3fs.core.S3File, "_call_s3", failing)
 
 
-def test_an_upload_failing_midway_leaves_no_object_and_latest_unchanged(prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_upload_failing_midway_leaves_no_object_and_latest_unchanged(
+    prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = ckptkit.CheckpointFolder(f"{prefix}/run", keep=2)
     ckptkit.save_on_master(_state(1), folder.path_for(1))
     folder.commit(folder.path_for(1))
@@ -219,7 +230,9 @@ def test_an_upload_failing_midway_leaves_no_object_and_latest_unchanged(prefix: 
     assert _fs().cat_file(f"{prefix}/run/latest") == b"step_000000001.pt\n"
 
 
-def test_convert_force_with_a_failed_upload_keeps_the_old_object(prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_force_with_a_failed_upload_keeps_the_old_object(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckptkit.save_on_master(_state(1), f"{prefix}/out.pt")
     before = _fs().cat_file(f"{prefix}/out.pt")
     torch.save(_state(2), tmp_path / "new.pt")
@@ -270,8 +283,13 @@ def test_a_writer_killed_mid_upload_leaves_nothing(prefix: str, s3_endpoint: str
     folder.commit(folder.path_for(1))
     ready = tmp_path / "ready"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLED_CHILD), str(ready), str(folder.path_for(2))],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_CHILD), str(ready), str(folder.path_for(2))],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -290,8 +308,21 @@ def test_a_writer_killed_mid_upload_leaves_nothing(prefix: str, s3_endpoint: str
 
 def _train(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    cmd = [sys.executable, "-m", "ckptkit.cli", "train", "--nproc", "2", "--data", "tests.train_data:small", "--batch-size", "16",
-           "--save-every", "3", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptkit.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--data",
+        "tests.train_data:small",
+        "--batch-size",
+        "16",
+        "--save-every",
+        "3",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -318,8 +349,10 @@ def test_the_trainer_saves_to_and_resumes_from_a_url_exactly(prefix: str, tmp_pa
 def test_a_url_out_without_a_log_dir_is_one_usage_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     code, _, err = run("train", "--out", "s3://bucket/runs/demo")
-    assert code == 2 and lines(err) == ["ckptkit: error: argument --out s3://bucket/runs/demo: an object store cannot append to "
-                                        "metrics.jsonl; also pass a local folder for the log, e.g. --log-dir runs/demo"], err  # fmt: skip
+    assert code == 2 and lines(err) == [
+        "ckptkit: error: argument --out s3://bucket/runs/demo: an object store cannot append to "
+        "metrics.jsonl; also pass a local folder for the log, e.g. --log-dir runs/demo"
+    ], err
     assert not list(tmp_path.iterdir())
 
 
@@ -327,10 +360,17 @@ def test_a_url_out_without_a_log_dir_is_one_usage_line(tmp_path: Path, monkeypat
 def test_a_store_without_credentials_is_one_line_naming_them(s3_endpoint: str, tmp_path: Path, command: str) -> None:
     """botocore's NoCredentialsError is no OSError: it reached the user as a traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_ENDPOINT_URL=s3_endpoint, AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
-               PYTHONPATH=str(ROOT / "src"), AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+    env.update(
+        AWS_ENDPOINT_URL=s3_endpoint,
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        PYTHONPATH=str(ROOT / "src"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     args = [command, f"s3://{BUCKET}/x.pt"] + (["out.pt"] if command == "convert" else [])
-    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     said = f"s3://{BUCKET}/x.pt: the store refused to describe it (Unable to locate credentials); check the URL, credentials and network"
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert said in (proc.stdout if command == "verify" else proc.stderr)

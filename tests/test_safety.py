@@ -58,20 +58,38 @@ def _sd() -> dict[str, torch.Tensor]:
 def _mmengine() -> dict[str, Any]:
     # mmengine's CheckpointHook: numpy scalars and dtypes in "meta"; numpy.dtype(code) builds the
     # numpy.dtypes classes (Float64DType, Int64DType) that the pickle never names.
-    meta = {"epoch": np.int64(3), "iter": np.int64(120), "lr": np.float64(0.01), "seed": np.int32(7),
-            "hist": np.arange(3, dtype=np.float32), "dtype": np.dtype("float64"), "exp_name": "r50"}  # fmt: skip
+    meta = {
+        "epoch": np.int64(3),
+        "iter": np.int64(120),
+        "lr": np.float64(0.01),
+        "seed": np.int32(7),
+        "hist": np.arange(3, dtype=np.float32),
+        "dtype": np.dtype("float64"),
+        "exp_name": "r50",
+    }
     return {"meta": meta, "state_dict": _sd(), "message_hub": {"log_scalars": {"loss": np.float64(0.3)}}}
 
 
 def _timm() -> dict[str, Any]:
     args = argparse.Namespace(model="resnet18", lr=0.1, epochs=3, sched="cosine", mixup=0.0, amp=True)
-    return {"epoch": 3, "arch": "resnet18", "state_dict": _sd(), "state_dict_ema": _sd(), "args": args, "version": 2, "metric": 0.5}
+    return {
+        "epoch": 3,
+        "arch": "resnet18",
+        "state_dict": _sd(),
+        "state_dict_ema": _sd(),
+        "args": args,
+        "version": 2,
+        "metric": 0.5,
+    }
 
 
 # name -> (what torch.save gets, torch.save keyword arguments)
 CATALOGUE: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "namespace": lambda: ({"model": _sd(), "args": argparse.Namespace(lr=0.1, epochs=3)}, {}),
-    "namespace-legacy": lambda: ({"model": _sd(), "args": argparse.Namespace(lr=0.1)}, {"_use_new_zipfile_serialization": False}),
+    "namespace-legacy": lambda: (
+        {"model": _sd(), "args": argparse.Namespace(lr=0.1)},
+        {"_use_new_zipfile_serialization": False},
+    ),
     "timm-args": lambda: (_timm(), {}),
     "numpy-array": lambda: ({"model": _sd(), "hist": np.arange(4, dtype=np.float32)}, {}),
     "numpy-scalars": lambda: ({"model": _sd(), "best": np.float64(0.5), "step": np.int64(3)}, {}),
@@ -194,7 +212,9 @@ def test_names_come_from_loading_not_only_from_the_scan(tmp_path: Path, monkeypa
     path = _save(tmp_path, "mmengine")
     full = safety.needed_globals(path).names
     scanned = checkpoint_globals(path)
-    monkeypatch.setattr(safety, "checkpoint_globals", lambda p: [g for g in scanned if not g.startswith("numpy.dtypes.")])
+    monkeypatch.setattr(
+        safety, "checkpoint_globals", lambda p: [g for g in scanned if not g.startswith("numpy.dtypes.")]
+    )
     found = safety.needed_globals(path)
     assert found.loads and set(found.names) == set(full)
     assert {"numpy.dtypes.Float64DType", "numpy.dtypes.Int64DType"} <= set(found.names)
@@ -239,6 +259,8 @@ def test_torch_reason_is_never_empty() -> None:
     once made "torch cannot load this checkpoint...:" end in nothing."""
     from ckptkit.ops.safety import torch_reason
 
-    e = __import__("pickle").UnpicklingError("Weights only load failed. Please file an issue: WeightsUnpickler error: \n\nUnsupported operand 149")
+    e = __import__("pickle").UnpicklingError(
+        "Weights only load failed. Please file an issue: WeightsUnpickler error: \n\nUnsupported operand 149"
+    )
     assert torch_reason(e) == "Unsupported operand 149"
     assert torch_reason(RuntimeError("")) == "RuntimeError"

@@ -15,7 +15,9 @@ def ranks(n: int, world: int, **kw) -> list[ckptkit.ResumableDistributedSampler]
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_same_order_as_distributed_sampler(n: int, world: int, drop_last: bool, shuffle: bool) -> None:
     for r in range(world):
-        ours = ckptkit.ResumableDistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=3, drop_last=drop_last)
+        ours = ckptkit.ResumableDistributedSampler(
+            range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=3, drop_last=drop_last
+        )
         theirs = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=3, drop_last=drop_last)
         for epoch in (0, 1):
             ours.set_epoch(epoch)

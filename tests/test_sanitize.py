@@ -46,20 +46,37 @@ class Opaque:
 def model_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6, 4, generator=g)
-    return {"encoder.weight": w, "encoder.bias": torch.randn(6, generator=g).bfloat16(), "decoder.weight": w,
-            "encoder.rows": w[2:4], "steps": torch.arange(3)}  # fmt: skip
+    return {
+        "encoder.weight": w,
+        "encoder.bias": torch.randn(6, generator=g).bfloat16(),
+        "decoder.weight": w,
+        "encoder.rows": w[2:4],
+        "steps": torch.arange(3),
+    }
 
 
 def fairseq_like() -> dict[str, Any]:
-    args = argparse.Namespace(arch="transformer", lr=[0.0005], max_tokens=4096, seed=np.int64(1), data=Path("/data/bin"))
+    args = argparse.Namespace(
+        arch="transformer", lr=[0.0005], max_tokens=4096, seed=np.int64(1), data=Path("/data/bin")
+    )
     return {
         "args": args,
         "cfg": None,
         "model": model_state(),
-        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "FairseqAdam",
-                               "lr_scheduler_state": {"best": np.float64(3.25)}, "num_updates": 10}],
-        "extra_state": {"epoch": np.int32(2), "val_loss": np.float32(3.5), "train_iterator": {"epoch": 2, "shuffle": np.bool_(True)}},
-    }  # fmt: skip
+        "optimizer_history": [
+            {
+                "criterion_name": "CrossEntropyCriterion",
+                "optimizer_name": "FairseqAdam",
+                "lr_scheduler_state": {"best": np.float64(3.25)},
+                "num_updates": 10,
+            }
+        ],
+        "extra_state": {
+            "epoch": np.int32(2),
+            "val_loss": np.float32(3.5),
+            "train_iterator": {"epoch": 2, "shuffle": np.bool_(True)},
+        },
+    }
 
 
 def e3nn_like() -> dict[str, Any]:
@@ -71,8 +88,12 @@ def e3nn_like() -> dict[str, Any]:
         "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state(), "python": random.getstate()},
         "generator": np.random.default_rng(3).bit_generator.state,
         "mt": np.random.Generator(np.random.MT19937(5)).bit_generator.state,
-        "stats": {"mean": np.linspace(0, 1, 5), "counts": np.array([[1, 2], [3, 4]], dtype=np.int16), "labels": np.array(["a", "b"])},
-    }  # fmt: skip
+        "stats": {
+            "mean": np.linspace(0, 1, 5),
+            "counts": np.array([[1, 2], [3, 4]], dtype=np.int16),
+            "labels": np.array(["a", "b"]),
+        },
+    }
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -90,7 +111,9 @@ def assert_weights_identical(got: dict[str, torch.Tensor], want: dict[str, torch
     for k, v in want.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape and raw(got[k]) == raw(v), k
     assert got["decoder.weight"] is got["encoder.weight"]  # a tie stays a tie
-    assert got["encoder.rows"].untyped_storage().data_ptr() == got["encoder.weight"].untyped_storage().data_ptr()  # a view a view
+    assert (
+        got["encoder.rows"].untyped_storage().data_ptr() == got["encoder.weight"].untyped_storage().data_ptr()
+    )  # a view a view
 
 
 def test_a_fairseq_checkpoint_loads_weights_only(tmp_path: Path) -> None:
@@ -113,7 +136,10 @@ def test_a_fairseq_checkpoint_loads_weights_only(tmp_path: Path) -> None:
         "extra_state/val_loss: numpy.float32 -> float",
         "extra_state/train_iterator/shuffle: numpy.bool -> bool",
     ]
-    assert any(n.startswith("sanitized for torch.load(weights_only=True): args: argparse.Namespace -> dict; ") for n in report.notes)
+    assert any(
+        n.startswith("sanitized for torch.load(weights_only=True): args: argparse.Namespace -> dict; ")
+        for n in report.notes
+    )
 
 
 def test_numpy_rng_state_dataclasses_and_arrays_become_plain_values(tmp_path: Path) -> None:
@@ -131,7 +157,9 @@ def test_numpy_rng_state_dataclasses_and_arrays_become_plain_values(tmp_path: Pa
         assert np.array_equal(np.random.Generator(g).random(3), np.random.Generator(ref).random(3))
     assert new["config"] == {"dim": 8, "optim": {"lr": 3e-4, "betas": (0.9, 0.98)}, "mean": new["config"]["mean"]}
     assert torch.equal(new["config"]["mean"], torch.tensor([0.5, 0.25]))
-    assert new["stats"]["mean"].dtype == torch.float64 and np.array_equal(new["stats"]["mean"].numpy(), old["stats"]["mean"])
+    assert new["stats"]["mean"].dtype == torch.float64 and np.array_equal(
+        new["stats"]["mean"].numpy(), old["stats"]["mean"]
+    )
     assert new["stats"]["counts"].dtype == torch.int16 and new["stats"]["counts"].tolist() == [[1, 2], [3, 4]]
     assert new["stats"]["labels"] == ["a", "b"]
     assert_weights_identical(new["model"], old["model"])
@@ -155,7 +183,9 @@ def test_a_plain_checkpoint_is_written_as_it_was(tmp_path: Path) -> None:
 
 
 def test_with_model_only_only_the_weights_are_sanitized(tmp_path: Path) -> None:
-    report, new = convert(tmp_path, {"model": model_state(), "args": argparse.Namespace(lr=1), "opaque": Opaque()}, model_only=True)
+    report, new = convert(
+        tmp_path, {"model": model_state(), "args": argparse.Namespace(lr=1), "opaque": Opaque()}, model_only=True
+    )
     assert report.sanitized == [] and list(new) == list(model_state())
 
 
@@ -192,7 +222,11 @@ def test_the_cli_shows_each_change_and_exits_right(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["sanitized"][0] == "args: argparse.Namespace -> dict"
     torch.save({"model": model_state(), "x": Opaque()}, tmp_path / "bad.pt")
     result = run("convert", tmp_path / "bad.pt", tmp_path / "out.pt", "--trust", "--sanitize")
-    assert result.exit_code == 1 and "x is a tests.test_sanitize.Opaque" in result.stderr and "--model-only" in result.stderr
+    assert (
+        result.exit_code == 1
+        and "x is a tests.test_sanitize.Opaque" in result.stderr
+        and "--model-only" in result.stderr
+    )
     assert "Traceback" not in result.output and not (tmp_path / "out.pt").exists()
 
 

@@ -209,10 +209,20 @@ def _async_cases() -> dict[str, object]:
     base = torch.arange(10.0)
     return {
         "views of one storage": {"whole": base, "part": base[2:5], "strided": base[::3]},
-        "conjugate and negative views": {"conj": z.conj(), "conj part": z.conj()[1:], "neg": torch._neg_view(torch.ones(3))},
-        "requires_grad and a Parameter": {"leaf": torch.ones(2, requires_grad=True), "param": torch.nn.Parameter(torch.ones(3))},
-        "containers keep their type": {"nt": Point(torch.ones(1), 2), "dd": collections.defaultdict(list, {"k": torch.zeros(2)}),
-                                       "list": [torch.ones(1), (torch.zeros(1), 3)]},
+        "conjugate and negative views": {
+            "conj": z.conj(),
+            "conj part": z.conj()[1:],
+            "neg": torch._neg_view(torch.ones(3)),
+        },
+        "requires_grad and a Parameter": {
+            "leaf": torch.ones(2, requires_grad=True),
+            "param": torch.nn.Parameter(torch.ones(3)),
+        },
+        "containers keep their type": {
+            "nt": Point(torch.ones(1), 2),
+            "dd": collections.defaultdict(list, {"k": torch.zeros(2)}),
+            "list": [torch.ones(1), (torch.zeros(1), 3)],
+        },
         "sparse": {"s": torch.eye(3).to_sparse()},
     }
 

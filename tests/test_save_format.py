@@ -14,11 +14,31 @@ import ckptkit
 from ckptkit.formats.torchzip import writer as zipwrite
 from ckptkit.io import fileio
 
-DTYPES = [d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-) if d is not None]  # fmt: skip
+DTYPES = [
+    d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    )
+    if d is not None
+]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -63,9 +83,13 @@ def test_tied_weights_views_and_a_training_state(tmp_path: Path) -> None:
     _loads_exactly(tmp_path / "x.pt", {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)})
     got = torch.load(tmp_path / "x.pt", weights_only=True)
     ptr = got["embed"].untyped_storage().data_ptr()
-    assert got["head"].untyped_storage().data_ptr() == ptr == got["rows"].untyped_storage().data_ptr()  # still one storage
+    assert (
+        got["head"].untyped_storage().data_ptr() == ptr == got["rows"].untyped_storage().data_ptr()
+    )  # still one storage
     assert got["epoch"] == 3 and torch.equal(got["opt"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    assert len([n for n in zipfile.ZipFile(tmp_path / "x.pt").namelist() if "/data/" in n]) == 2 + 6  # embed, big; Adam: 2 x (step, exp_avg, exp_avg_sq)
+    assert (
+        len([n for n in zipfile.ZipFile(tmp_path / "x.pt").namelist() if "/data/" in n]) == 2 + 6
+    )  # embed, big; Adam: 2 x (step, exp_avg, exp_avg_sq)
 
 
 def test_zip64_records_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,5 +126,7 @@ def test_a_record_written_short_or_long_of_its_header_is_refused(tmp_path: Path,
     come: a writer that delivers another count must fail, not leave a zip whose records lie."""
     with open(tmp_path / "out.zip", "wb") as f:
         w = zipwrite.ZipWriter(f)
-        with pytest.raises(ckptkit.errors.CheckpointFormatError, match=rf"record a/data/0: {written} bytes written, its header says 10"):
+        with pytest.raises(
+            ckptkit.errors.CheckpointFormatError, match=rf"record a/data/0: {written} bytes written, its header says 10"
+        ):
             w.add_written("a/data/0", 10, lambda: fileio.write_checked(f, b"x" * written))

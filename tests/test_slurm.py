@@ -24,20 +24,33 @@ from tests.test_train import assert_same_final, last_checkpoint, records
 
 SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
 # 512 samples, batch 32: 8 steps an epoch on 2 tasks; long enough that a signal lands mid-run.
-TRAIN = ["--data", "tests.train_data:small", "--batch-size", "32", "--save-every", "5", "--log-every", "2",
-         "--warmup-steps", "4"]  # fmt: skip
+TRAIN = [
+    "--data",
+    "tests.train_data:small",
+    "--batch-size",
+    "32",
+    "--save-every",
+    "5",
+    "--log-every",
+    "2",
+    "--warmup-steps",
+    "4",
+]
 
 
 # -- the pure parts ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("nodelist", "hosts"), [
-    ("vm", ["vm"]),
-    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
-    ("a[8-10]", ["a8", "a9", "a10"]),
-    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
-    ("gpu5,x[3]-ib", ["gpu5", "x3-ib"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("vm", ["vm"]),
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("a[8-10]", ["a8", "a9", "a10"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("gpu5,x[3]-ib", ["gpu5", "x3-ib"]),
+    ],
+)
 def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
     assert expand_nodelist(nodelist) == hosts
 
@@ -52,20 +65,31 @@ def test_port_for_job(job: str, port: int) -> None:
     assert port_for_job(job) == port
 
 
-TASK = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-        "SLURM_JOB_NODELIST": "node[01-03,07],gpu5", "SLURM_JOB_ID": "12"}  # fmt: skip
+TASK = {
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_NODELIST": "node[01-03,07],gpu5",
+    "SLURM_JOB_ID": "12",
+}
 
 
-@pytest.mark.parametrize(("environ", "expected"), [
-    (TASK, {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node01", "MASTER_PORT": "20012"}),
-    ({**TASK, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
-     {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}),
-    ({**TASK, "WORLD_SIZE": "16", "RANK": "5"}, {}),  # sbatch + torchrun per node: torchrun's wins
-    ({**TASK, "RANK": "5"}, {}),
-    ({k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}, {}),  # the batch script itself, not an srun task
-    ({**TASK, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, {}),  # one task: no process group
-    ({}, {}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        (TASK, {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node01", "MASTER_PORT": "20012"}),
+        (
+            {**TASK, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+            {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+        ),
+        ({**TASK, "WORLD_SIZE": "16", "RANK": "5"}, {}),  # sbatch + torchrun per node: torchrun's wins
+        ({**TASK, "RANK": "5"}, {}),
+        ({k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}, {}),  # the batch script itself, not an srun task
+        ({**TASK, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, {}),  # one task: no process group
+        ({}, {}),
+    ],
+)
 def test_torch_env_maps_srun_tasks_to_ranks(environ: dict[str, str], expected: dict[str, str]) -> None:
     assert torch_env(environ, hostnames=expand_nodelist) == expected
 
@@ -79,8 +103,10 @@ def test_torch_env_names_what_it_could_not_read() -> None:
         torch_env({**TASK, "SLURM_NTASKS": "eight"}, hostnames=expand_nodelist)
 
 
-@pytest.mark.parametrize(("environ", "count"), [({}, 0), ({"SLURM_RESTART_COUNT": ""}, 0), ({"SLURM_RESTART_COUNT": "0"}, 0),
-                                                ({"SLURM_RESTART_COUNT": "2"}, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("environ", "count"),
+    [({}, 0), ({"SLURM_RESTART_COUNT": ""}, 0), ({"SLURM_RESTART_COUNT": "0"}, 0), ({"SLURM_RESTART_COUNT": "2"}, 2)],
+)
 def test_restart_count_is_zero_until_slurm_sets_it(environ: dict[str, str], count: int) -> None:
     assert restarts(environ) == count
 
@@ -89,8 +115,10 @@ def test_restart_count_is_zero_until_slurm_sets_it(environ: dict[str, str], coun
 def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An ``scontrol`` on PATH that prints $FAKE_SHOW for ``show job``, exits $FAKE_RC for
     ``requeue`` and logs every call."""
-    (tmp_path / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$FAKE_LOG"\n'
-                                       'case "$1" in show) echo "$FAKE_SHOW";; requeue) echo "$FAKE_ERR" >&2; exit "$FAKE_RC";; esac\n')  # fmt: skip
+    (tmp_path / "scontrol").write_text(
+        '#!/bin/sh\necho "$@" >> "$FAKE_LOG"\n'
+        'case "$1" in show) echo "$FAKE_SHOW";; requeue) echo "$FAKE_ERR" >&2; exit "$FAKE_RC";; esac\n'
+    )
     (tmp_path / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls"))
@@ -103,34 +131,121 @@ def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 USR1, TERM = (signal.SIGUSR1,), (signal.SIGTERM,)
 
 
-@pytest.mark.parametrize(("stopped_by", "environ", "max_requeues", "fake", "expected", "calls"), [
-    (USR1, {"SLURM_JOB_ID": "12"}, 3, {}, Outcome(True, "12", 1, "requeued job 12 (requeue 1 of 3)"),
-     ["show job 12", "requeue 12"]),
-    ((signal.SIGUSR1, signal.SIGTERM), {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "2"}, -1, {},
-     Outcome(True, "12", 3, "requeued job 12 (requeue 3)"), ["show job 12", "requeue 12"]),
-    (USR1, {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "3"}, 3, {},
-     Outcome(False, "12", 3, "not requeued: job 12 was requeued 3 time(s) already (--max-requeues 3); submit it again "
-                             "to train on from here"), []),
-    (USR1, {"SLURM_JOB_ID": "12"}, 0, {},
-     Outcome(False, "12", 0, "not requeued: job 12 was requeued 0 time(s) already (--max-requeues 0); submit it again "
-                             "to train on from here"), []),
-    (USR1, {"SLURM_JOB_ID": "12"}, -1, {"FAKE_SHOW": "JobId=12 Requeue=0 Restarts=0"},
-     Outcome(False, "12", 0, "not requeued: job 12 was submitted without --requeue (scontrol show job 12: Requeue=0); "
-                             "submit it with sbatch --requeue, or submit it again to train on from here"), ["show job 12"]),
-    (USR1, {"SLURM_JOB_ID": "12"}, -1, {"FAKE_RC": "1", "FAKE_ERR": "Only batch jobs are accepted or processed for job 12"},
-     Outcome(False, "12", 0, "not requeued: scontrol requeue 12 failed: Only batch jobs are accepted or processed for job 12; "
-                             "submit it again to train on from here"), ["show job 12", "requeue 12"]),
-    (TERM, {"SLURM_JOB_ID": "12"}, -1, {},
-     Outcome(False, "12", 0, "not requeued: SIGTERM stopped job 12, not SIGUSR1 (--requeue-signal): it ends here "
-                             "(scancel, or the time limit without #SBATCH --signal)"), []),
-    (USR1, {}, -1, {}, Outcome(False, None, 0, "not requeued: SIGUSR1 stopped the run, but this is no SLURM job "
-                                               "(SLURM_JOB_ID is unset)"), []),
-    (TERM, {}, -1, {}, None, []),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stopped_by", "environ", "max_requeues", "fake", "expected", "calls"),
+    [
+        (
+            USR1,
+            {"SLURM_JOB_ID": "12"},
+            3,
+            {},
+            Outcome(True, "12", 1, "requeued job 12 (requeue 1 of 3)"),
+            ["show job 12", "requeue 12"],
+        ),
+        (
+            (signal.SIGUSR1, signal.SIGTERM),
+            {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "2"},
+            -1,
+            {},
+            Outcome(True, "12", 3, "requeued job 12 (requeue 3)"),
+            ["show job 12", "requeue 12"],
+        ),
+        (
+            USR1,
+            {"SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "3"},
+            3,
+            {},
+            Outcome(
+                False,
+                "12",
+                3,
+                "not requeued: job 12 was requeued 3 time(s) already (--max-requeues 3); submit it again "
+                "to train on from here",
+            ),
+            [],
+        ),
+        (
+            USR1,
+            {"SLURM_JOB_ID": "12"},
+            0,
+            {},
+            Outcome(
+                False,
+                "12",
+                0,
+                "not requeued: job 12 was requeued 0 time(s) already (--max-requeues 0); submit it again "
+                "to train on from here",
+            ),
+            [],
+        ),
+        (
+            USR1,
+            {"SLURM_JOB_ID": "12"},
+            -1,
+            {"FAKE_SHOW": "JobId=12 Requeue=0 Restarts=0"},
+            Outcome(
+                False,
+                "12",
+                0,
+                "not requeued: job 12 was submitted without --requeue (scontrol show job 12: Requeue=0); "
+                "submit it with sbatch --requeue, or submit it again to train on from here",
+            ),
+            ["show job 12"],
+        ),
+        (
+            USR1,
+            {"SLURM_JOB_ID": "12"},
+            -1,
+            {"FAKE_RC": "1", "FAKE_ERR": "Only batch jobs are accepted or processed for job 12"},
+            Outcome(
+                False,
+                "12",
+                0,
+                "not requeued: scontrol requeue 12 failed: Only batch jobs are accepted or processed for job 12; "
+                "submit it again to train on from here",
+            ),
+            ["show job 12", "requeue 12"],
+        ),
+        (
+            TERM,
+            {"SLURM_JOB_ID": "12"},
+            -1,
+            {},
+            Outcome(
+                False,
+                "12",
+                0,
+                "not requeued: SIGTERM stopped job 12, not SIGUSR1 (--requeue-signal): it ends here "
+                "(scancel, or the time limit without #SBATCH --signal)",
+            ),
+            [],
+        ),
+        (
+            USR1,
+            {},
+            -1,
+            {},
+            Outcome(
+                False,
+                None,
+                0,
+                "not requeued: SIGUSR1 stopped the run, but this is no SLURM job (SLURM_JOB_ID is unset)",
+            ),
+            [],
+        ),
+        (TERM, {}, -1, {}, None, []),
+    ],
+)
 def test_requeue_decides_from_the_signal_the_count_and_the_job(
-    fake_scontrol: Path, monkeypatch: pytest.MonkeyPatch, stopped_by: tuple[int, ...], environ: dict[str, str],
-    max_requeues: int, fake: dict[str, str], expected: Outcome | None, calls: list[str],
-) -> None:  # fmt: skip
+    fake_scontrol: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stopped_by: tuple[int, ...],
+    environ: dict[str, str],
+    max_requeues: int,
+    fake: dict[str, str],
+    expected: Outcome | None,
+    calls: list[str],
+) -> None:
     for k, v in fake.items():
         monkeypatch.setenv(k, v)
     assert requeue(stopped_by, signal_name="USR1", max_requeues=max_requeues, environ=environ) == expected
@@ -138,7 +253,9 @@ def test_requeue_decides_from_the_signal_the_count_and_the_job(
 
 
 def test_requeue_signal_term_requeues_on_sigterm(fake_scontrol: Path) -> None:
-    assert requeue(TERM, signal_name="TERM", max_requeues=-1, environ={"SLURM_JOB_ID": "7"}) == Outcome(True, "7", 1, "requeued job 7 (requeue 1)")
+    assert requeue(TERM, signal_name="TERM", max_requeues=-1, environ={"SLURM_JOB_ID": "7"}) == Outcome(
+        True, "7", 1, "requeued job 7 (requeue 1)"
+    )
 
 
 def test_stop_signal_tells_which_signals_stopped_it() -> None:
@@ -170,10 +287,22 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 def submit(slurm: SlurmCluster, out: Path, *sbatch: str, args: tuple[str, ...] = ()) -> str:
     """examples/slurm/train.sbatch, two tasks, as written but for the options given."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # the script's `python` is this one  # fmt: skip
-    return slurm.sbatch(SCRIPT, "--ntasks-per-node=2", f"--output={out}/slurm.out", "--chdir", str(ROOT), *sbatch,
-                        env=env, args=("--out", str(out), *TRAIN, *args))  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }  # the script's `python` is this one
+    return slurm.sbatch(
+        SCRIPT,
+        "--ntasks-per-node=2",
+        f"--output={out}/slurm.out",
+        "--chdir",
+        str(ROOT),
+        *sbatch,
+        env=env,
+        args=("--out", str(out), *TRAIN, *args),
+    )
 
 
 def events(out: Path, name: str) -> list[dict]:
@@ -183,8 +312,9 @@ def events(out: Path, name: str) -> list[dict]:
 ALIVE = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING")
 
 
-def wait_for_records(slurm: SlurmCluster, job: str, out: Path, ready: Callable[[list[dict]], bool], what: str, *,
-                     alive: bool = True) -> list[dict]:  # fmt: skip
+def wait_for_records(
+    slurm: SlurmCluster, job: str, out: Path, ready: Callable[[list[dict]], bool], what: str, *, alive: bool = True
+) -> list[dict]:
     """Poll OUT/metrics.jsonl until ``ready(records)``; with ``alive``, fail at once if the job ends first."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -192,7 +322,9 @@ def wait_for_records(slurm: SlurmCluster, job: str, out: Path, ready: Callable[[
         if ready(found):
             return found
         state = slurm.job(job).get("JobState")
-        assert not alive or state in ALIVE, f"job {job} is {state} before {what}:\n{(out / 'slurm.out').read_text()[-3000:]}"
+        assert not alive or state in ALIVE, (
+            f"job {job} is {state} before {what}:\n{(out / 'slurm.out').read_text()[-3000:]}"
+        )
         time.sleep(0.05)
     raise AssertionError(f"job {job}: {what} not seen in 240 s:\n{(out / 'slurm.out').read_text()[-3000:]}")
 
@@ -217,7 +349,9 @@ def requeue_lines(out: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_preempted_twice_requeued_and_resumed_gives_the_uninterrupted_weights(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_preempted_twice_requeued_and_resumed_gives_the_uninterrupted_weights(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
     args = ("--epochs", "12", "--max-requeues", "2")
     straight = tmp_path / "straight"
     assert slurm.wait_until_done(submit(slurm, straight, args=args)) == "COMPLETED"
@@ -244,8 +378,11 @@ def test_after_max_requeues_it_saves_and_ends(slurm: SlurmCluster, tmp_path: Pat
     signal_mid_run(slurm, job, out, run=2)
     assert slurm.wait_until_done(job) == "COMPLETED"
     assert slurm.job(job)["Restarts"] == "1"
-    assert requeue_lines(out) == [f"requeued job {job} (requeue 1 of 1)", f"not requeued: job {job} was requeued 1 time(s) "
-                                  "already (--max-requeues 1); submit it again to train on from here"]  # fmt: skip
+    assert requeue_lines(out) == [
+        f"requeued job {job} (requeue 1 of 1)",
+        f"not requeued: job {job} was requeued 1 time(s) "
+        "already (--max-requeues 1); submit it again to train on from here",
+    ]
     end = events(out, "end")[-1]
     assert end["status"] == "preempted" and last_checkpoint(out).name == f"step_{end['step']:09d}.pt"
 
@@ -258,15 +395,21 @@ def test_a_job_that_cannot_requeue_saves_and_ends(slurm: SlurmCluster, tmp_path:
     if how == "scancel":
         wait_for_records(slurm, job, out, lambda found: any("loss" in r and r["step"] >= 6 for r in found), "step 6")
         slurm.run("scancel", job)  # SIGTERM to every process of the job
-        line = (f"not requeued: SIGTERM stopped job {job}, not SIGUSR1 (--requeue-signal): it ends here (scancel, or "
-                "the time limit without #SBATCH --signal)")  # fmt: skip
+        line = (
+            f"not requeued: SIGTERM stopped job {job}, not SIGUSR1 (--requeue-signal): it ends here (scancel, or "
+            "the time limit without #SBATCH --signal)"
+        )
     else:
         signal_mid_run(slurm, job, out, run=1)
-        line = (f"not requeued: job {job} was submitted without --requeue (scontrol show job {job}: Requeue=0); submit it "
-                "with sbatch --requeue, or submit it again to train on from here")  # fmt: skip
+        line = (
+            f"not requeued: job {job} was submitted without --requeue (scontrol show job {job}: Requeue=0); submit it "
+            "with sbatch --requeue, or submit it again to train on from here"
+        )
     assert slurm.wait_until_done(job) == ("CANCELLED" if how == "scancel" else "COMPLETED")
     # A cancelled job is CANCELLED at once, while its processes still save and say so.
-    found = wait_for_records(slurm, job, out, lambda found: any(r.get("event") == "requeue" for r in found), "the line", alive=False)
+    found = wait_for_records(
+        slurm, job, out, lambda found: any(r.get("event") == "requeue" for r in found), "the line", alive=False
+    )
     assert [r["message"] for r in found if r.get("event") == "requeue"] == [line]
     assert slurm.job(job)["Restarts"] == "0"
     end = events(out, "end")[-1]
@@ -279,7 +422,9 @@ def test_the_time_limit_signal_requeues_before_the_limit(slurm: SlurmCluster, tm
     # one period earlier, never later; enough epochs that the run still trains by then.
     out = tmp_path / "run"
     job = submit(slurm, out, "--time=1", "--signal=B:USR1@15", args=("--epochs", "1000"))
-    found = wait_for_records(slurm, job, out, lambda found: any(r.get("event") == "resumed" for r in found), "the requeued run")
+    found = wait_for_records(
+        slurm, job, out, lambda found: any(r.get("event") == "resumed" for r in found), "the requeued run"
+    )
     slurm.run("scancel", job)
     assert [r["message"] for r in found if r.get("event") == "requeue"] == [f"requeued job {job} (requeue 1)"]
     ends = [(r["status"], r["step"]) for r in found if r.get("event") == "end"]

@@ -26,7 +26,13 @@ def parts() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.
 def test_round_trip_without_process_group(tmp_path: Path) -> None:
     model, opt, sched = parts()
     ckptkit.save_training_state(
-        tmp_path / "s.pt", model=nn.DataParallel(model), optimizer=opt, scheduler=sched, epoch=3, step=17, extra={"best": 0.5}
+        tmp_path / "s.pt",
+        model=nn.DataParallel(model),
+        optimizer=opt,
+        scheduler=sched,
+        epoch=3,
+        step=17,
+        extra={"best": 0.5},
     )
     raw = torch.load(tmp_path / "s.pt", weights_only=True)  # plain torch can read it, safely
     assert list(raw["model"]) == list(model.state_dict())  # saved unwrapped: plain keys

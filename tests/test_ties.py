@@ -144,7 +144,9 @@ def test_truly_absent_key_is_still_an_error(tmp_path: Path) -> None:
 def test_mis_shaped_tied_source_is_one_mismatch(tmp_path: Path) -> None:
     source = TiedLM(vocab=16)
     st.save_model(source, str(tmp_path / "small.safetensors"))
-    with pytest.raises(ckptkit.errors.StateDictMismatchError, match=r"embed.weight: checkpoint \[16, 8\] vs model \[32, 8\]") as e:
+    with pytest.raises(
+        ckptkit.errors.StateDictMismatchError, match=r"embed.weight: checkpoint \[16, 8\] vs model \[32, 8\]"
+    ) as e:
         ckptkit.load_for_rank(tmp_path / "small.safetensors", model=TiedLM(vocab=32))
     assert e.value.mismatched == [("embed.weight", (16, 8), (32, 8))]
     assert not e.value.missing and not e.value.unexpected  # head.weight is embed.weight: not absent too

@@ -73,7 +73,9 @@ class _View:
         self.size, self.stride = size, stride
 
     def __reduce_ex__(self, protocol: int) -> object:
-        storage = torch.storage.TypedStorage(wrap_storage=torch.arange(6.0).untyped_storage(), dtype=torch.float32, _internal=True)
+        storage = torch.storage.TypedStorage(
+            wrap_storage=torch.arange(6.0).untyped_storage(), dtype=torch.float32, _internal=True
+        )
         return torch._utils._rebuild_tensor_v2, (storage, 0, self.size, self.stride, False, collections.OrderedDict())
 
 
@@ -109,7 +111,9 @@ DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_what_torch_refuses_verify_fails_and_convert_refuses(tmp_path: Path, damage: str) -> None:
     base = saved(tmp_path / "base.pt", {"module.w": torch.arange(6.0), "module.b": torch.ones(2)})
-    if damage.startswith("storage_alignment") and not any(n.endswith("/.storage_alignment") for n in zipfile.ZipFile(base).namelist()):
+    if damage.startswith("storage_alignment") and not any(
+        n.endswith("/.storage_alignment") for n in zipfile.ZipFile(base).namelist()
+    ):
         pytest.skip(f"torch {torch.__version__} writes (and reads) no .storage_alignment record; later releases do")
     bad = DAMAGE[damage](base, tmp_path / "bad.pt")
     with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError, ValueError, ... by case
@@ -141,7 +145,9 @@ ODD: dict[str, Callable[[Path, Path], Path]] = {
     "version with trailing text": lambda b, o: rewrite_records(b, o, replace("/version", b" 3x")),
     # not swapped: torch then reads other values, and still loads
     "byteorder big": lambda b, o: rewrite_records(b, o, replace("/byteorder", b"big")),
-    "no byteorder record": lambda b, o: rewrite_records(b, o, lambda n, d: (None if n.endswith("/byteorder") else n, d)),
+    "no byteorder record": lambda b, o: rewrite_records(
+        b, o, lambda n, d: (None if n.endswith("/byteorder") else n, d)
+    ),
     # torch's writer always adds zip64 end records, and then miniz reads the counts there
     "32-bit end record counts differ": lambda b, o: patch_at(b, o, b"PK\x05\x06", 8, "<H", 1),
     # miniz then ignores the locator and reads the 32-bit end record
@@ -169,7 +175,9 @@ def test_a_big_endian_checkpoint_converts_to_safetensors_with_its_values(tmp_pat
     base = saved(tmp_path / "le.pt", {"module.w": values})
     swapped = values.numpy().byteswap().tobytes()
     big = rewrite_records(
-        base, tmp_path / "be.pt", lambda n, d: (n, b"big" if n.endswith("/byteorder") else swapped if "/data/" in n else d)
+        base,
+        tmp_path / "be.pt",
+        lambda n, d: (n, b"big" if n.endswith("/byteorder") else swapped if "/data/" in n else d),
     )
     assert torch.equal(torch.load(big, weights_only=True)["module.w"], values)
     for out in (tmp_path / "out.safetensors", tmp_path / "out.pt"):

@@ -21,14 +21,40 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.dist
 
 # 512 samples, batch 32: 8 steps an epoch on 2 ranks, 4 epochs = 32 steps, saves every 5.
-COMMON = ["--data", "tests.train_data:small", "--epochs", "4", "--batch-size", "32", "--save-every", "5",
-          "--log-every", "1", "--warmup-steps", "4"]  # fmt: skip
+COMMON = [
+    "--data",
+    "tests.train_data:small",
+    "--epochs",
+    "4",
+    "--batch-size",
+    "32",
+    "--save-every",
+    "5",
+    "--log-every",
+    "1",
+    "--warmup-steps",
+    "4",
+]
 
 
-def launch(out: Path, nproc: int, *args: str, max_restarts: int = 0, launcher: list[str] | None = None) -> subprocess.Popen:
+def launch(
+    out: Path, nproc: int, *args: str, max_restarts: int = 0, launcher: list[str] | None = None
+) -> subprocess.Popen:
     rdzv = launcher if launcher is not None else ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "ckptkit.train", "--out", str(out), *COMMON, *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rdzv,
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "ckptkit.train",
+        "--out",
+        str(out),
+        *COMMON,
+        *args,
+    ]
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / f"launch-{time.monotonic_ns()}.log", "w")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -135,8 +161,13 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_default_task_learns(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ckptkit.train", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit.train", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     evals = [r for r in records(tmp_path) if "val_acc" in r]
     losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
@@ -228,7 +259,9 @@ def _free_port() -> int:
 def test_two_nodes_on_localhost_complete_one_run(straight: Path, tmp_path: Path) -> None:
     port = _free_port()
     nodes = [
-        launch(tmp_path, 1, launcher=["--nnodes=2", f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"])
+        launch(
+            tmp_path, 1, launcher=["--nnodes=2", f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        )
         for n in (0, 1)
     ]
     assert [finish(p) for p in nodes] == [0, 0]
@@ -251,8 +284,28 @@ def test_async_save_gives_identical_checkpoints(straight: Path, tmp_path: Path) 
 
 def test_ckptkit_train_command_launches_torchrun(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "train", "--nproc", "2", "--out", str(tmp_path), *COMMON,
-                           "--max-steps", "6", "--accum", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptkit.cli",
+            "train",
+            "--nproc",
+            "2",
+            "--out",
+            str(tmp_path),
+            *COMMON,
+            "--max-steps",
+            "6",
+            "--accum",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     start = [r for r in records(tmp_path) if r.get("event") == "start"][0]
     assert start["world_size"] == 2 and start["backend"] == "gloo"
@@ -271,8 +324,21 @@ def test_runs_without_numpy(tmp_path: Path) -> None:
     (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{blocker.parent}:{ROOT}"}
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ckptkit.train",
-           "--out", str(out), *COMMON, "--max-steps", "6", "--async-save"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ckptkit.train",
+        "--out",
+        str(out),
+        *COMMON,
+        "--max-steps",
+        "6",
+        "--async-save",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Failed to initialize NumPy" in proc.stdout + proc.stderr  # torch saw no numpy: the test is real

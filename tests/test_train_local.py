@@ -18,8 +18,13 @@ SMALL = ["--data", "tests.train_data:small", "--batch-size", "32", "--log-every"
 
 
 def run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptkit.train", "--out", str(out), *SMALL, *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ckptkit.train", "--out", str(out), *SMALL, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def events(out: Path, name: str) -> list[dict]:
@@ -38,7 +43,11 @@ def test_python_entry_point_with_my_model_and_data(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=g)
     data = TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
-    result = train(TrainConfig(out=str(tmp_path), epochs=3, batch_size=32, save_every=4, log_every=100), model=TinyNet(), data=(data, data))
+    result = train(
+        TrainConfig(out=str(tmp_path), epochs=3, batch_size=32, save_every=4, log_every=100),
+        model=TinyNet(),
+        data=(data, data),
+    )
     assert (result["status"], result["step"], result["epoch"]) == ("done", 24, 3)
     model = TinyNet()
     model.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
@@ -94,7 +103,9 @@ def _tiny_data() -> TensorDataset:
     return TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
 
 
-def test_a_resume_says_where_from_after_start_and_before_the_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_resume_says_where_from_after_start_and_before_the_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 26: a user must see that a run resumed, and a finished run's lines come in order:
     [start], then where it resumed from, then what to do about a finished run."""
     from ckptkit.train import TrainConfig, train
@@ -106,13 +117,19 @@ def test_a_resume_says_where_from_after_start_and_before_the_note(tmp_path: Path
     train(cfg, model=TinyNet(), data=(_tiny_data(), _tiny_data()))
     lines = capsys.readouterr().out.splitlines()
     checkpoint = tmp_path / "checkpoints" / "step_000000002.pt"
-    said = [i for i, line in enumerate(lines) if line.startswith(("[start]", "resumed from", "note: this run already finished"))]
+    said = [
+        i
+        for i, line in enumerate(lines)
+        if line.startswith(("[start]", "resumed from", "note: this run already finished"))
+    ]
     assert [lines[i].split(" ")[0] for i in said] == ["[start]", "resumed", "note:"], lines
     assert lines[said[1]] == f"resumed from step 2 (checkpoint {checkpoint})"
     assert events(tmp_path, "resumed")[0]["path"] == str(checkpoint)
 
 
-def test_resuming_into_another_model_names_the_folder_and_how_to_start_fresh(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resuming_into_another_model_names_the_folder_and_how_to_start_fresh(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 26: two examples sharing runs/x: the second died with "Fix the model definition",
     naming neither the checkpoint's folder nor --resume none."""
     from ckptkit.errors import StateDictMismatchError

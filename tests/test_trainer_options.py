@@ -97,8 +97,9 @@ def test_named_stateful_objects_round_trip(tmp_path: Path) -> None:
     opt_b = torch.optim.Adam(model2.parameters(), lr=1e-2)
     opt2_b = torch.optim.SGD(ema2.parameters(), lr=0.1, momentum=0.9)
     counter2 = Counter()
-    ckptkit.load_training_state(tmp_path / "s.pt", model=model2, optimizer=opt_b,
-                                stateful={"ema": ema2, "opt2": opt2_b, "loader": counter2})  # fmt: skip
+    ckptkit.load_training_state(
+        tmp_path / "s.pt", model=model2, optimizer=opt_b, stateful={"ema": ema2, "opt2": opt2_b, "loader": counter2}
+    )
     assert all(torch.equal(a, b) for a, b in zip(ema.state_dict().values(), ema2.state_dict().values(), strict=True))
     assert counter2.seen == 42
     mom, mom2 = opt2.state_dict()["state"], opt2_b.state_dict()["state"]
@@ -128,8 +129,12 @@ def test_a_model_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
     other(torch.randn(2, 8)).sum().backward()
     other_opt.step()
     fresh = ckptkit.ResumableDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    before = (fresh.state_dict(), {k: v.clone() for k, v in other.state_dict().items()},
-              [{k: v.clone() for k, v in s.items()} for s in other_opt.state.values()], torch.get_rng_state())  # fmt: skip
+    before = (
+        fresh.state_dict(),
+        {k: v.clone() for k, v in other.state_dict().items()},
+        [{k: v.clone() for k, v in s.items()} for s in other_opt.state.values()],
+        torch.get_rng_state(),
+    )
     with pytest.raises(ckptkit.errors.StateDictMismatchError):
         ckptkit.load_training_state(tmp_path / "s.pt", model=other, optimizer=other_opt, sampler=fresh)
     assert fresh.state_dict() == before[0]  # the sampler did not move

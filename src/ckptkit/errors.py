@@ -139,10 +139,23 @@ class ResumeError(CkptkitError, ValueError):
 # hostile bytes. Parser boundaries turn exactly these into CheckpointFormatError. MemoryError is
 # deliberately absent: with bounded reads it would mean a bug here, not a bad file.
 PARSE_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, EOFError, IndexError, KeyError, TypeError, AttributeError, OverflowError,
-    NotImplementedError, RuntimeError, RecursionError, struct.error, zipfile.BadZipFile,
-    zipfile.LargeZipFile, zlib.error, OSError, AssertionError,  # torch's legacy loader asserts on file content
-)  # fmt: skip
+    ValueError,
+    EOFError,
+    IndexError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    OverflowError,
+    NotImplementedError,
+    RuntimeError,
+    RecursionError,
+    struct.error,
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    zlib.error,
+    OSError,
+    AssertionError,  # torch's legacy loader asserts on file content
+)
 
 
 PICKLE_ERRORS: tuple[type[BaseException], ...] = (pickle.UnpicklingError, *PARSE_ERRORS)

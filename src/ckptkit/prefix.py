@@ -21,9 +21,17 @@ from .model.wrappers import WRAPPER_PREFIXES, PrefixInfo, canonical_key, check_p
 
 # The public key tools: the renaming below, and the detection it builds on (kept in _wrapperkeys).
 __all__ = [
-    "WRAPPER_PREFIXES", "PrefixInfo", "adapt_state_dict", "add_prefix", "canonical_key", "check_prefix",
-    "detect_prefixes", "rewrite_prefixes", "strip_prefix", "wrapper_names",
-]  # fmt: skip
+    "WRAPPER_PREFIXES",
+    "PrefixInfo",
+    "adapt_state_dict",
+    "add_prefix",
+    "canonical_key",
+    "check_prefix",
+    "detect_prefixes",
+    "rewrite_prefixes",
+    "strip_prefix",
+    "wrapper_names",
+]
 
 
 def _rebuild(
@@ -74,9 +82,9 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> Orde
             return ""
         if p and root.startswith(p + "."):
             return None  # an intermediate wrapper of a multi-segment prefix ("module" of "module._orig_mod.")
-        return p[len(prefix):] if p.startswith(prefix) else p
+        return p[len(prefix) :] if p.startswith(prefix) else p
 
-    return _rebuild(state_dict, lambda k: k[len(prefix):] if k.startswith(prefix) else k, path)
+    return _rebuild(state_dict, lambda k: k[len(prefix) :] if k.startswith(prefix) else k, path)
 
 
 def add_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict[str, Any]:
@@ -167,7 +175,7 @@ def adapt_state_dict(
         found = by_canon.get(canon(key))
         if found is not None:
             return found
-        return target_lead + key[len(source_lead):] if key.startswith(source_lead) else key
+        return target_lead + key[len(source_lead) :] if key.startswith(source_lead) else key
 
     if modules is None:
         modules = {"": 1}

@@ -37,7 +37,9 @@ def _consistent(obj: dict[str, Any]) -> int:
     return v if bool(torch.all(obj["data"] == float(v))) else -1
 
 
-def _kill_writer(write_forever: Any, folder: Path, rng: random.Random, max_delay: float, counts: dict[str, Any]) -> None:
+def _kill_writer(
+    write_forever: Any, folder: Path, rng: random.Random, max_delay: float, counts: dict[str, Any]
+) -> None:
     """Fork a child running ``write_forever()``, SIGKILL it after a random delay, count the kill."""
     pid = os.fork()
     if pid == 0:  # the writer: never returns
@@ -174,12 +176,20 @@ def disk_faults(trials: int, folder: Path, seed: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     big = folder / "fsize"
     big.mkdir()
-    cases.extend(_fault_case("file too large (RLIMIT_FSIZE 2 MiB)", big,
-                             lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard)),
-                             lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))))  # fmt: skip
+    cases.extend(
+        _fault_case(
+            "file too large (RLIMIT_FSIZE 2 MiB)",
+            big,
+            lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, hard)),
+            lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard)),
+        )
+    )
     full = folder / "tmpfs"
     full.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(full)], capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(full)], capture_output=True).returncode
+        == 0
+    )
     if mounted:
         try:
             cases.extend(_fault_case("disk full (2 MiB tmpfs)", full, lambda: None))
@@ -261,8 +271,14 @@ def hostile_inputs(trials: int, folder: Path, seed: int) -> dict[str, Any]:
     work.mkdir(exist_ok=True)
     out_dir = folder / "out"
     out_dir.mkdir(exist_ok=True)
-    counts: dict[str, Any] = {"inputs": 0, "families": {}, "findings": [], "cli_exit_codes": {},
-                              "payload_flips": 0, "payload_flips_caught_by_verify": 0}  # fmt: skip
+    counts: dict[str, Any] = {
+        "inputs": 0,
+        "families": {},
+        "findings": [],
+        "cli_exit_codes": {},
+        "payload_flips": 0,
+        "payload_flips_caught_by_verify": 0,
+    }
     for family, what, path in hostile.corpus(fixtures, work, seed, max(1, trials)):
         counts["inputs"] += 1
         counts["families"][family] = counts["families"].get(family, 0) + 1
@@ -286,8 +302,14 @@ def code_payloads(trials: int, folder: Path, seed: int) -> dict[str, Any]:
     marker = folder / "PAYLOAD_RAN"
     inputs = list(payloads.files(folder, marker))
     readers = payloads.readers(folder / "out.pt")
-    counts: dict[str, Any] = {"payload_files": len(inputs), "readers": len(readers), "runs": 0, "executed": 0,
-                              "refused": 0, "findings": []}  # fmt: skip
+    counts: dict[str, Any] = {
+        "payload_files": len(inputs),
+        "readers": len(readers),
+        "runs": 0,
+        "executed": 0,
+        "refused": 0,
+        "findings": [],
+    }
     for desc, path in inputs:
         for rname, read in readers.items():
             marker.unlink(missing_ok=True)
@@ -308,7 +330,11 @@ def code_payloads(trials: int, folder: Path, seed: int) -> dict[str, Any]:
             if marker.exists():
                 counts["executed"] += 1
                 counts["findings"].append(f"{desc} / {rname}: PAYLOAD RAN")
-            if outcome == "refused" or (rname == "verify_checkpoint" and outcome == "returned") or rname.startswith("cli"):
+            if (
+                outcome == "refused"
+                or (rname == "verify_checkpoint" and outcome == "returned")
+                or rname.startswith("cli")
+            ):
                 counts["refused"] += int(outcome in ("refused", "returned"))
             else:
                 counts["findings"].append(f"{desc} / {rname}: {outcome}")
@@ -375,8 +401,13 @@ def fuzz(trials: int, folder: Path, seed: int) -> dict[str, Any]:
             counts["findings"].append(f"{keep.name} (from {name}): {problems[0]}")
 
     # seed 0: the same examples every run (CI); any other seed explores new ones.
-    options = settings(max_examples=trials, deadline=None, derandomize=seed == 0, database=None,
-                       suppress_health_check=list(HealthCheck))  # fmt: skip
+    options = settings(
+        max_examples=trials,
+        deadline=None,
+        derandomize=seed == 0,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
     @options
     @given(st.sampled_from(sorted(bases)), st.lists(mutation, min_size=1, max_size=4))
@@ -385,10 +416,12 @@ def fuzz(trials: int, folder: Path, seed: int) -> dict[str, Any]:
 
     json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.text(max_size=8))
     entry = st.fixed_dictionaries(
-        {"dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "X9", ""]),
-         "shape": st.lists(st.integers(-2, 2**41), max_size=3),
-         "data_offsets": st.lists(st.integers(-8, 2**41), min_size=0, max_size=3)}
-    )  # fmt: skip
+        {
+            "dtype": st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "X9", ""]),
+            "shape": st.lists(st.integers(-2, 2**41), max_size=3),
+            "data_offsets": st.lists(st.integers(-8, 2**41), min_size=0, max_size=3),
+        }
+    )
     header = st.dictionaries(st.text(min_size=1, max_size=6), st.one_of(entry, json_leaf), max_size=4)
 
     @options
@@ -410,9 +443,15 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    fn = {"kill-save": kill_save, "kill-convert": kill_convert, "disk-faults": disk_faults,
-          "read-while-rewriting": read_while_rewriting, "hostile-inputs": hostile_inputs,
-          "code-payloads": code_payloads, "fuzz": fuzz}[args.campaign]  # fmt: skip
+    fn = {
+        "kill-save": kill_save,
+        "kill-convert": kill_convert,
+        "disk-faults": disk_faults,
+        "read-while-rewriting": read_while_rewriting,
+        "hostile-inputs": hostile_inputs,
+        "code-payloads": code_payloads,
+        "fuzz": fuzz,
+    }[args.campaign]
     print(json.dumps(fn(args.trials, args.dir, args.seed)))
     return 0
 

@@ -27,13 +27,20 @@ def _st(header: Any, data: bytes = b"", *, length: int | None = None) -> bytes:
 
 
 SAFETENSORS_CASES: dict[str, bytes] = {
-    "header length past EOF": _st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, length=10_000),
+    "header length past EOF": _st(
+        {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, length=10_000
+    ),
     "header length of 2^60": _st({}, length=1 << 60),
     "header not JSON": _st(b"{not json at all}"),
     "header a JSON list": _st(b"[1, 2, 3]"),
     "unknown dtype": _st({"a": {"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
-    "overlapping tensors": _st({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),  # fmt: skip
+    "overlapping tensors": _st(
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        b"\0" * 12,
+    ),
     "offsets out of bounds": _st({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 4),
     "size does not match shape": _st({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
     "terabyte shape": _st({"a": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 4]}}, b"\0" * 4),
@@ -41,8 +48,14 @@ SAFETENSORS_CASES: dict[str, bytes] = {
     "metadata not strings": _st({"__metadata__": {"x": 1}}),
     "gap between tensors": _st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
     "deeply nested JSON": _st(b"[" * 100_000 + b"]" * 100_000),
-    "aliases metadata malformed": _st({"__metadata__": {"ckptkit.aliases": "{oops"}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
-    "crc metadata malformed": _st({"__metadata__": {"ckptkit.crc32": "[1]"}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "aliases metadata malformed": _st(
+        {"__metadata__": {"ckptkit.aliases": "{oops"}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        b"\0" * 4,
+    ),
+    "crc metadata malformed": _st(
+        {"__metadata__": {"ckptkit.crc32": "[1]"}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        b"\0" * 4,
+    ),
 }
 
 
@@ -175,7 +188,12 @@ def check_cli(path: Path, out: Path) -> tuple[list[str], dict[str, int]]:
 
     findings, codes = [], {}
     runner = CliRunner()
-    for cmd in (["convert", str(path), str(out)], ["inspect", str(path)], ["verify", str(path)], ["diff", str(path), str(path)]):
+    for cmd in (
+        ["convert", str(path), str(out)],
+        ["inspect", str(path)],
+        ["verify", str(path)],
+        ["diff", str(path), str(path)],
+    ):
         if out.exists():
             out.unlink()
         result = runner.invoke(main, cmd)
@@ -188,8 +206,10 @@ def check_cli(path: Path, out: Path) -> tuple[list[str], dict[str, int]]:
             findings.append(f"{cmd[0]}: exit {result.exit_code}")
         if "Traceback" in result.stderr or "Traceback" in result.stdout:
             findings.append(f"{cmd[0]}: printed a traceback")
-        if result.exit_code == error_code and cmd[0] != "verify" and not (
-            result.stderr.startswith("ckptkit: error: ") and result.stderr.count("\n") <= 2
+        if (
+            result.exit_code == error_code
+            and cmd[0] != "verify"
+            and not (result.stderr.startswith("ckptkit: error: ") and result.stderr.count("\n") <= 2)
         ):  # verify reports its failed checks on stdout
             findings.append(f"{cmd[0]}: error was not one line on stderr: {result.stderr[:200]!r}")
         if cmd[0] == "convert" and result.exit_code != 0:

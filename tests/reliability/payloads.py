@@ -46,10 +46,12 @@ def payloads(marker: Path) -> dict[str, Any]:
         "functools.partial": Reduce(Reduce(functools.partial, os.system, f"touch {m}")),
         "torch.save (a torch.* function)": Reduce(torch.save, {}, m),
         "torch._C internal": Reduce(torch._C._log_api_usage_once, "ckptkit-test"),
-        "_rebuild_tensor_v2 with a payload storage": Reduce(torch._utils._rebuild_tensor_v2,
-                                                            Reduce(os.system, f"touch {m}"), 0, (1,), (1,), False, {}),  # fmt: skip
-        "_rebuild_from_type_v2 calling os.system": Reduce(torch._tensor._rebuild_from_type_v2, os.system,
-                                                          torch.Tensor, (f"touch {m}",), {}),  # fmt: skip
+        "_rebuild_tensor_v2 with a payload storage": Reduce(
+            torch._utils._rebuild_tensor_v2, Reduce(os.system, f"touch {m}"), 0, (1,), (1,), False, {}
+        ),
+        "_rebuild_from_type_v2 calling os.system": Reduce(
+            torch._tensor._rebuild_from_type_v2, os.system, torch.Tensor, (f"touch {m}",), {}
+        ),
         "copyreg._reconstructor": Reduce(copyreg._reconstructor, Reduce, object, None),
     }
     try:
@@ -77,7 +79,9 @@ def files(folder: Path, marker: Path) -> Iterator[tuple[str, Path]]:
     (meta_dir / ".metadata").write_bytes(pickle.dumps(Reduce(os.system, f"touch {marker}"), protocol=2))
     yield "os.system in DCP .metadata", meta_dir
     entry_dir = folder / "dcp_entry_payload"
-    dcp.save({"w": torch.ones(2), "x": Reduce(os.system, f"touch {marker}")}, checkpoint_id=str(entry_dir), **SAVE_ALONE)
+    dcp.save(
+        {"w": torch.ones(2), "x": Reduce(os.system, f"touch {marker}")}, checkpoint_id=str(entry_dir), **SAVE_ALONE
+    )
     yield "os.system in a DCP non-tensor entry", entry_dir
 
 

@@ -1,7 +1,7 @@
 """Run the reliability suite once and write RELIABILITY.md from that run's own tally.
 
-    python tests/reliability/report.py              # the CI size
-    python tests/reliability/report.py --stress 3   # three times the trials
+python tests/reliability/report.py              # the CI size
+python tests/reliability/report.py --stress 3   # three times the trials
 """
 
 from __future__ import annotations
@@ -104,10 +104,22 @@ def main() -> int:
         report = Path(tmp) / "tally.json"
         started = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "tests/reliability", "-q", "-p", "no:cacheprovider",
-             f"--stress={args.stress}", f"--reliability-report={report}"],
-            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "tests/reliability",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--stress={args.stress}",
+                f"--reliability-report={report}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         seconds = time.perf_counter() - started
         data = json.loads(report.read_text()) if report.exists() else {"exitstatus": proc.returncode, "tally": {}}
     tally: dict[str, int] = data["tally"]
@@ -120,8 +132,11 @@ def main() -> int:
         + f"` on {datetime.date.today()} ({platform.machine()}, {os.cpu_count()} cores, Python "
         + f"{platform.python_version()}). All figures below come from that one run of the suite: "
         + f"`{summary[-1].strip('= ') if summary else 'no summary'}`, {seconds:.0f} s. "
-        + ("CI runs the same suite at this size in `python -m pytest`; " if args.stress == 1
-           else f"CI runs the same suite with `--stress 1` in `python -m pytest`, where the counts that scale are 1/{args.stress} of these; ")
+        + (
+            "CI runs the same suite at this size in `python -m pytest`; "
+            if args.stress == 1
+            else f"CI runs the same suite with `--stress 1` in `python -m pytest`, where the counts that scale are 1/{args.stress} of these; "
+        )
         + "`--stress N` multiplies every count.",
         "",
         "## Outcomes (the goal is zero everywhere)",

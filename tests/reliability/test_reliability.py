@@ -27,9 +27,25 @@ pytestmark = pytest.mark.reliability
 
 def campaign(name: str, folder: Path, trials: int, seed: int = 0, timeout: float = 900) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.reliability.campaigns", name, "--trials", str(trials),
-                           "--dir", str(folder), "--seed", str(seed)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.reliability.campaigns",
+            name,
+            "--trials",
+            str(trials),
+            "--dir",
+            str(folder),
+            "--seed",
+            str(seed),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -51,7 +67,11 @@ def test_kill_9_during_writes_loses_nothing(tmp_path: Path, stress: int, tally: 
 
 def test_disk_full_too_large_and_permission_denied(tmp_path: Path, tally: Counter[str]) -> None:
     cases = campaign("disk-faults", tmp_path, 1)["cases"]
-    expected = {"file too large": "file too large", "disk full": "no space left", "permission denied": "permission denied"}
+    expected = {
+        "file too large": "file too large",
+        "disk full": "no space left",
+        "permission denied": "permission denied",
+    }
     for case in cases:
         if "skipped" in case:
             tally[f"fault skipped: {case['case']} ({case['skipped']})"] += 1
@@ -81,7 +101,9 @@ def test_fault_on_rank0_raises_on_every_rank(tmp_path: Path, tally: Counter[str]
 
 @pytest.mark.dist
 @pytest.mark.parametrize("how", ["raises", "dies"])
-def test_rank0_failing_mid_save_never_hangs_the_others(tmp_path: Path, stress: int, tally: Counter[str], how: str) -> None:
+def test_rank0_failing_mid_save_never_hangs_the_others(
+    tmp_path: Path, stress: int, tally: Counter[str], how: str
+) -> None:
     for trial in range(2 * stress):
         folder = tmp_path / f"t{trial}"
         folder.mkdir()

@@ -43,7 +43,10 @@ def signals_deferred() -> Iterator[None]:
     SIGINT after its one error line (exit -2), instead of exiting 130 with that line.
     """
     got: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _: got.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: got.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         yield
     finally:
@@ -104,7 +107,10 @@ def handle_errors(fn: F | None = None, *, trouble: int = 1, stopped: tuple[str, 
             fail(str(e) if isinstance(e, CkptkitError) else f"{kind}: {e}", code, as_json=as_json, kind=kind)
         except (KeyboardInterrupt, Stopped) as e:
             name = signal.Signals(e.signum).name if isinstance(e, Stopped) else "SIGINT"
-            what, code = stopped or ("nothing was written", 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT))
+            what, code = stopped or (
+                "nothing was written",
+                128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT),
+            )
             fail(f"stopped by {name}; {what}", code, as_json=as_json, kind=name)
 
     return wrapper

@@ -13,41 +13,92 @@ from .base import BIG, emit_json, handle_errors, main
 from .render import human_bytes, progress_bar, render_diff, render_summary, render_verify
 
 ALLOW_GLOBAL = click.option(
-    "--allow-global", multiple=True, metavar="MODULE.NAME",
+    "--allow-global",
+    multiple=True,
+    metavar="MODULE.NAME",
     help="Admit this class when unpickling, e.g. argparse.Namespace (repeatable); safer than --trust.",
-)  # fmt: skip
+)
 
 
 @main.command()
 @click.argument("src", type=click.Path(path_type=str, readable=False))
 @click.argument("dst", type=click.Path(path_type=str, readable=False))
-@click.option("--to", "to", type=click.Choice(["single", "ddp", "keep"]), default="single", show_default=True,
-              help="single: remove module./_orig_mod.; ddp: then add module.; keep: leave wrappers.")  # fmt: skip
-@click.option("--strip", multiple=True, metavar="PREFIX", help="Also remove PREFIX (repeatable), e.g. Lightning's model.")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["single", "ddp", "keep"]),
+    default="single",
+    show_default=True,
+    help="single: remove module./_orig_mod.; ddp: then add module.; keep: leave wrappers.",
+)
+@click.option(
+    "--strip", multiple=True, metavar="PREFIX", help="Also remove PREFIX (repeatable), e.g. Lightning's model."
+)
 @click.option("--add", multiple=True, metavar="PREFIX", help="Add PREFIX to every key (repeatable).")
-@click.option("--model-only", "model_only", is_flag=True, help="Write only the model state dict, dropping optimizer etc.")
-@click.option("--key", metavar="PATH", help="Where the weights are in SRC, e.g. ema or ema/model; student. (ending in .) "
-              "picks the keys under that prefix, with --model-only.")
+@click.option(
+    "--model-only", "model_only", is_flag=True, help="Write only the model state dict, dropping optimizer etc."
+)
+@click.option(
+    "--key",
+    metavar="PATH",
+    help="Where the weights are in SRC, e.g. ema or ema/model; student. (ending in .) "
+    "picks the keys under that prefix, with --model-only.",
+)
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling of SRC. Only for files you trust.")
 @ALLOW_GLOBAL
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
-@click.option("--max-shard-size", metavar="SIZE",
-              help="Write DST as a folder of Hugging Face safetensors shards of at most SIZE (bytes, or 5GB, 500MB).")  # fmt: skip
-@click.option("--format", "out_format", type=click.Choice(["dcp"]), default=None,
-              help="dcp: write DST as a torch.distributed.checkpoint folder (default: the format DST's suffix names).")  # fmt: skip
-@click.option("--zero-weights", type=click.Choice(["fp32", "module"]), default="fp32", show_default=True,
-              help="For a DeepSpeed ZeRO folder: fp32 (the master weights, as zero_to_fp32) or module (the 16-bit "
-              "module weights as saved; stage 1/2 only).")  # fmt: skip
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
-              help="Cast the floating weights to this dtype (values as torch's .to(); ints, bools, optimizer state kept).")  # fmt: skip
-@click.option("--sanitize", is_flag=True, help="With --trust: write what torch.load(weights_only=True) reads (Namespace, "
-              "dataclasses -> dicts; numpy arrays -> tensors; numpy RNG state -> lists); notes list each change.")
+@click.option(
+    "--max-shard-size",
+    metavar="SIZE",
+    help="Write DST as a folder of Hugging Face safetensors shards of at most SIZE (bytes, or 5GB, 500MB).",
+)
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(["dcp"]),
+    default=None,
+    help="dcp: write DST as a torch.distributed.checkpoint folder (default: the format DST's suffix names).",
+)
+@click.option(
+    "--zero-weights",
+    type=click.Choice(["fp32", "module"]),
+    default="fp32",
+    show_default=True,
+    help="For a DeepSpeed ZeRO folder: fp32 (the master weights, as zero_to_fp32) or module (the 16-bit "
+    "module weights as saved; stage 1/2 only).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Cast the floating weights to this dtype (values as torch's .to(); ints, bools, optimizer state kept).",
+)
+@click.option(
+    "--sanitize",
+    is_flag=True,
+    help="With --trust: write what torch.load(weights_only=True) reads (Namespace, "
+    "dataclasses -> dicts; numpy arrays -> tensors; numpy RNG state -> lists); notes list each change.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
-def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tuple[str, ...], add: tuple[str, ...],
-            model_only: bool, key: str | None, trust: bool, allow_global: tuple[str, ...], force: bool,
-            max_shard_size: str | None, out_format: Literal["dcp"] | None, zero_weights: Literal["fp32", "module"],
-            dtype: Literal["bf16", "fp16", "fp32"] | None, sanitize: bool, as_json: bool) -> None:  # fmt: skip
+def convert(
+    src: str,
+    dst: str,
+    to: Literal["single", "ddp", "keep"],
+    strip: tuple[str, ...],
+    add: tuple[str, ...],
+    model_only: bool,
+    key: str | None,
+    trust: bool,
+    allow_global: tuple[str, ...],
+    force: bool,
+    max_shard_size: str | None,
+    out_format: Literal["dcp"] | None,
+    zero_weights: Literal["fp32", "module"],
+    dtype: Literal["bf16", "fp16", "fp32"] | None,
+    sanitize: bool,
+    as_json: bool,
+) -> None:
     """Rewrite SRC's weight names for another wrapping into DST (format by DST suffix).
 
     Only the model weights are renamed; optimizer, scheduler, epoch and the rest are kept as
@@ -59,16 +110,32 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
     safetensors shards (default 5GB each); --format dcp writes a DCP folder.
     """
     with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
-        report = ckptkit.convert_checkpoint(src, dst, to=to, strip=strip, add=add, model_only=model_only, key=key,
-                                    trust=trust, allow_globals=allow_global, force=force, progress=progress,
-                                    max_shard_size=max_shard_size, format=out_format, zero_weights=zero_weights,
-                                    dtype=dtype, sanitize=sanitize)  # fmt: skip
+        report = ckptkit.convert_checkpoint(
+            src,
+            dst,
+            to=to,
+            strip=strip,
+            add=add,
+            model_only=model_only,
+            key=key,
+            trust=trust,
+            allow_globals=allow_global,
+            force=force,
+            progress=progress,
+            max_shard_size=max_shard_size,
+            format=out_format,
+            zero_weights=zero_weights,
+            dtype=dtype,
+            sanitize=sanitize,
+        )
     if as_json:
         emit_json(report.to_dict())
         return
     if report.pickled_module:
-        click.echo(f"note: {src} holds a pickled {report.pickled_module} module; its state_dict() was read without running the pickle",
-                   err=True)  # fmt: skip
+        click.echo(
+            f"note: {src} holds a pickled {report.pickled_module} module; its state_dict() was read without running the pickle",
+            err=True,
+        )
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
     if report.fallback_reason:
@@ -76,13 +143,21 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
     if report.dropped:
         click.echo(f"note: not written (--model-only): {', '.join(report.dropped)}", err=True)
     for where in report.left:
-        click.echo(f"note: '{where}' also holds wrapped weights, left as they were; convert them with --key {where}", err=True)
+        click.echo(
+            f"note: '{where}' also holds wrapped weights, left as they were; convert them with --key {where}", err=True
+        )
     if report.tied and report.shards:
-        click.echo(f"note: stored once, as huggingface_hub does (the other name is in the index metadata): {', '.join(report.tied)}. "
-                   "ckptkit.load_for_rank re-ties them; transformers' models tie them themselves", err=True)  # fmt: skip
+        click.echo(
+            f"note: stored once, as huggingface_hub does (the other name is in the index metadata): {', '.join(report.tied)}. "
+            "ckptkit.load_for_rank re-ties them; transformers' models tie them themselves",
+            err=True,
+        )
     elif report.tied:
-        click.echo(f"note: stored once and re-tied on load: {', '.join(report.tied)}. Load with ckptkit.load_for_rank "
-                   "or safetensors.torch.load_model; load_file + a strict load_state_dict would miss them", err=True)  # fmt: skip
+        click.echo(
+            f"note: stored once and re-tied on load: {', '.join(report.tied)}. Load with ckptkit.load_for_rank "
+            "or safetensors.torch.load_model; load_file + a strict load_state_dict would miss them",
+            err=True,
+        )
     where = f" (weights at '{report.weights_at}')" if report.weights_at else ""
     stored = f" ({report.tensors - len(report.tied)} stored)" if report.tied else ""
     stored += f" in {report.shards} shards" if report.shards > 1 else ""
@@ -101,7 +176,9 @@ def convert(src: str, dst: str, to: Literal["single", "ddp", "keep"], strip: tup
 @ALLOW_GLOBAL
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (every tensor listed).")
 @handle_errors
-def inspect(file: str, key: str | None, show_all: bool, trust: bool, allow_global: tuple[str, ...], as_json: bool) -> None:
+def inspect(
+    file: str, key: str | None, show_all: bool, trust: bool, allow_global: tuple[str, ...], as_json: bool
+) -> None:
     """Summarise FILE: layout, where the weights are, wrapper prefixes, tensors, metadata."""
     summary = ckptkit.inspect_checkpoint(file, key=key, trust=trust, allow_globals=allow_global)
     for note in [] if as_json else summary.notes:
@@ -125,16 +202,34 @@ def inspect(file: str, key: str | None, show_all: bool, trust: bool, allow_globa
 @ALLOW_GLOBAL
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors(trouble=2)
-def diff(a: str, b: str, atol: float, rtol: float, key_a: str | None, key_b: str | None, trust: bool,
-         allow_global: tuple[str, ...], as_json: bool) -> None:  # fmt: skip
+def diff(
+    a: str,
+    b: str,
+    atol: float,
+    rtol: float,
+    key_a: str | None,
+    key_b: str | None,
+    trust: bool,
+    allow_global: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """Compare the model weights of A and B across formats and prefixes.
 
     Exit 0 when they are the same, 1 when they differ, 2 on trouble (a missing or unreadable
     file), as GNU diff does.
     """
     with progress_bar(a, b, threshold=BIG, enabled=not as_json) as progress:
-        report = ckptkit.diff_checkpoints(a, b, atol=atol, rtol=rtol, key_a=key_a, key_b=key_b, trust=trust,
-                                  allow_globals=allow_global, progress=progress)  # fmt: skip
+        report = ckptkit.diff_checkpoints(
+            a,
+            b,
+            atol=atol,
+            rtol=rtol,
+            key_a=key_a,
+            key_b=key_b,
+            trust=trust,
+            allow_globals=allow_global,
+            progress=progress,
+        )
     for note in [] if as_json else report.notes:
         click.echo(f"note: {note}", err=True)
     if as_json:

@@ -40,21 +40,43 @@ class _TrainCommand(click.Command):
 
 
 @main.command(cls=_TrainCommand, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node (GPUs, or CPU workers).")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Processes on this node (GPUs, or CPU workers).",
+)
 @click.option("--nnodes", default="1", show_default=True, help="Nodes, or MIN:MAX for elastic runs.")
 @click.option("--node-rank", type=int, default=None, help="This node's rank (static multi-node rendezvous).")
 @click.option("--master-addr", default=None, help="Rank 0 node's address (static rendezvous).")
 @click.option("--master-port", type=int, default=None, help="Rank 0 node's port (static rendezvous).")
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT for c10d rendezvous (elastic multi-node).")
 @click.option("--rdzv-id", default=None, help="Job id shared by the nodes of one run.")
-@click.option("--max-restarts", type=int, default=0, show_default=True, help="Restart the group this often after a failure.")
-@click.option("--shutdown-timeout", type=click.IntRange(min=1), default=300, show_default=True,
-              help="Seconds the workers get to save after Ctrl-C or SIGTERM, before SIGKILL.")  # fmt: skip
+@click.option(
+    "--max-restarts", type=int, default=0, show_default=True, help="Restart the group this often after a failure."
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="Seconds the workers get to save after Ctrl-C or SIGTERM, before SIGKILL.",
+)
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @handle_errors(stopped=("nothing was saved", 130))
-def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | None, master_port: int | None,
-          rdzv_endpoint: str | None, rdzv_id: str | None, max_restarts: int, shutdown_timeout: int,
-          trainer_args: tuple[str, ...]) -> None:  # fmt: skip
+def train(
+    nproc: int,
+    nnodes: str,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    max_restarts: int,
+    shutdown_timeout: int,
+    trainer_args: tuple[str, ...],
+) -> None:
     """Run the reference DDP trainer through torch's own launcher (torchrun).
 
     \b
@@ -73,8 +95,10 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
     if source != click.core.ParameterSource.DEFAULT and "--shutdown-timeout" not in _torchrun_options():
         import torch
 
-        raise ArgumentError(f"--shutdown-timeout: the torchrun of this torch ({torch.__version__}) cannot set the workers' "
-                            "grace period (a newer torch's torchrun can); leave it out to use torchrun's own")  # fmt: skip
+        raise ArgumentError(
+            f"--shutdown-timeout: the torchrun of this torch ({torch.__version__}) cannot set the workers' "
+            "grace period (a newer torch's torchrun can); leave it out to use torchrun's own"
+        )
     launcher = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", str(max_restarts)]
     if node_rank is not None:
         launcher += ["--node-rank", str(node_rank)]
@@ -83,7 +107,9 @@ def train(nproc: int, nnodes: str, node_rank: int | None, master_addr: str | Non
     if master_port:
         launcher += ["--master-port", str(master_port)]
     if rdzv_endpoint:
-        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint] + (["--rdzv-id", rdzv_id] if rdzv_id else [])
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint] + (
+            ["--rdzv-id", rdzv_id] if rdzv_id else []
+        )
     if nnodes == "1" and not (master_addr or rdzv_endpoint):
         launcher.append("--standalone")  # one node: a free port, no address to configure
     _run_torchrun(launcher, list(trainer_args), cfg, shutdown_timeout)
@@ -146,7 +172,10 @@ def _stopped(name: str, cfg: TrainConfig, started: float) -> tuple[int, str]:
     end = _last_end(log_folder(cfg), started)
     if end is not None and end.get("status") == "preempted":
         checkpoint = run_path(cfg, f"checkpoints/step_{end['step']:09d}.pt")
-        return 0, f"ckptkit: stopped by {name} at step {end['step']}; saved {checkpoint}; run the same command to resume"
+        return (
+            0,
+            f"ckptkit: stopped by {name} at step {end['step']}; saved {checkpoint}; run the same command to resume",
+        )
     return 130, f"ckptkit: error: stopped by {name}; nothing was saved (the run had not reached its first save)"
 
 

@@ -50,9 +50,14 @@ def progress_bar(*paths: str, threshold: int, enabled: bool = True) -> Iterator[
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=Console(stderr=True), transient=True,
-    ) as bar:  # fmt: skip
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
         task = bar.add_task(" + ".join(os.path.basename(p.rstrip("/")) for p in paths), total=size)
 
         def advance(done_now: int, total: int) -> None:
@@ -84,7 +89,11 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
     if s.producer:
         _render_producer(out, s.producer)
     if s.loaded_with_torch:
-        out.print("[dim](loaded with torch, trusted: weights_only=False)[/]" if s.trusted else "[dim](loaded with torch, weights-only)[/]")
+        out.print(
+            "[dim](loaded with torch, trusted: weights_only=False)[/]"
+            if s.trusted
+            else "[dim](loaded with torch, weights-only)[/]"
+        )
     if s.entries:
         t = Table("entry", "kind", "detail", title="Top level", title_justify="left", box=None, padding=(0, 2))
         for e in s.entries:
@@ -97,7 +106,9 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
         by_dtype = ", ".join(f"{d} {human_bytes(b)}" for d, b in s.bytes_by_dtype.items())
         devices = ", ".join(f"{d} ({n})" if len(s.devices) > 1 else d for d, n in s.devices.items())
         shared = f" ({s.shared} sharing another's storage: stored once)" if s.shared else ""
-        out.print(f"Weights at {where}: {len(s.tensors)} tensors{shared}, {s.numel:,} elements, {by_dtype}; saved on {devices or '-'}")
+        out.print(
+            f"Weights at {where}: {len(s.tensors)} tensors{shared}, {s.numel:,} elements, {by_dtype}; saved on {devices or '-'}"
+        )
         prefixes = s.prefixes
         leading = "".join(prefixes.get("leading", []))
         nested = ", ".join(prefixes.get("nested", []))
@@ -108,7 +119,9 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
             out.print("Wrapper prefixes: none (plain single-device keys)")
         if prefixes.get("common") and (s.producer or {}).get("name") in (None, "lightning", "training-checkpoint"):
             # a framework's own model keeps its attribute names (transformer., net.): only a wrapper's is worth stripping
-            out.print(f"Every key starts with {prefixes['common']!r} (Lightning? convert with --strip {prefixes['common']})")
+            out.print(
+                f"Every key starts with {prefixes['common']!r} (Lightning? convert with --strip {prefixes['common']})"
+            )
         groups = s.groups()
         t = Table("key", "n", "layers", "shape", "dtype", "size", box=None, padding=(0, 2))
         for g in groups if show_all else groups[:MAX_GROUPS]:
@@ -127,7 +140,13 @@ def _render_producer(out: Any, p: dict[str, Any]) -> None:
     out.print(f"[bold]{p['what']}[/]")
     if p.get("weights") is not None:
         ema = p.get("ema")
-        also = " (the averaged / EMA weights)" if ema and ema == p["weights"] else f"; EMA copy: {ema} (--key {ema})" if ema else ""
+        also = (
+            " (the averaged / EMA weights)"
+            if ema and ema == p["weights"]
+            else f"; EMA copy: {ema} (--key {ema})"
+            if ema
+            else ""
+        )
         out.print(f"  weights: {p['weights'] or 'the top level'}{also}")
     for note in p.get("notes", []):
         out.print(f"  note: {note}")
@@ -146,8 +165,10 @@ def render_diff(r: Any) -> None:
         tol = f" within atol={r.atol:g}, rtol={r.rtol:g}" if r.atol or r.rtol else ""
         out.print(f"same weights: {r.compared} tensors compared{tol}")
         return
-    out.print(f"[bold]weights differ[/]: {len(r.differences)} of {r.compared} shared tensors, "
-              f"{len(r.only_in_a)} only in A, {len(r.only_in_b)} only in B")  # fmt: skip
+    out.print(
+        f"[bold]weights differ[/]: {len(r.differences)} of {r.compared} shared tensors, "
+        f"{len(r.only_in_a)} only in A, {len(r.only_in_b)} only in B"
+    )
     if r.only_in_a:
         out.print("only in A: " + ", ".join(r.only_in_a[:20]) + (" ..." if len(r.only_in_a) > 20 else ""))
     if r.only_in_b:

@@ -13,10 +13,12 @@ from ..errors import ArgumentError
 from . import collectives
 
 MapLocation = Any  # str | torch.device | dict[str, str] | Callable[[storage, str], storage]
-NO_CUDA_FIX = "pass map_location=\"cpu\", or leave it out to load onto this rank's device"
+NO_CUDA_FIX = 'pass map_location="cpu", or leave it out to load onto this rank\'s device'
 
 
-def device_for_rank(*, local_rank: int | None = None, cuda_available: bool | None = None, device_count: int | None = None) -> str:
+def device_for_rank(
+    *, local_rank: int | None = None, cuda_available: bool | None = None, device_count: int | None = None
+) -> str:
     """The device this process should load onto: ``cuda:LOCAL_RANK`` or ``cpu``.
 
     When more processes than GPUs share a node (several ranks on one GPU), ranks wrap around
@@ -57,7 +59,11 @@ def check_device(map_location: MapLocation, source: str) -> None:
     """Refuse a ``map_location`` naming CUDA on a machine without it, before anything is read."""
     import torch
 
-    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cuda" and not torch.cuda.is_available():
+    if (
+        isinstance(map_location, (str, torch.device))
+        and torch.device(map_location).type == "cuda"
+        and not torch.cuda.is_available()
+    ):
         raise ArgumentError(
             f"{source}: map_location={str(map_location)!r} names a CUDA device, but this machine has no CUDA; {NO_CUDA_FIX}"
         )
@@ -72,4 +78,4 @@ def single_device(map_location: MapLocation, source: str, kind: str) -> str:
     if isinstance(map_location, (str, torch.device)):
         check_device(map_location, source)
         return str(map_location)
-    raise ArgumentError(f"{source}: {kind} takes a device as map_location (\"cpu\", \"cuda:0\"), not {map_location!r}")
+    raise ArgumentError(f'{source}: {kind} takes a device as map_location ("cpu", "cuda:0"), not {map_location!r}')

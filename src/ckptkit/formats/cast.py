@@ -91,7 +91,9 @@ class CastEntry(Entry):
         sink = _Sink(f, self.src.dtype, self.dtype)
         self.src.write(sink, progress)  # type: ignore[arg-type] # a file-like sink, see _Sink
         if sink.left:  # a source that wrote part of an element: its byte count said otherwise
-            raise CheckpointFormatError(f"internal error: {len(sink.left)} bytes left over casting a {self.src.dtype} tensor")
+            raise CheckpointFormatError(
+                f"internal error: {len(sink.left)} bytes left over casting a {self.src.dtype} tensor"
+            )
         return sink.crc
 
 

@@ -44,7 +44,13 @@ def deepspeed_tag_folder(p: Path) -> Path | None:
     if latest.is_file():
         tag = latest.read_text(encoding="utf-8", errors="replace").strip()
         folder = p / tag
-        if tag and "/" not in tag and tag not in (".", "..") and folder.is_dir() and any(folder.glob("*_model_states.pt")):
+        if (
+            tag
+            and "/" not in tag
+            and tag not in (".", "..")
+            and folder.is_dir()
+            and any(folder.glob("*_model_states.pt"))
+        ):
             return folder
         if any(p.glob("*_model_states.pt")):  # a tag folder that happens to hold a file named latest
             return p
@@ -52,8 +58,10 @@ def deepspeed_tag_folder(p: Path) -> Path | None:
         if not tags and not folder.is_dir():
             return None  # a file named latest, and nothing of DeepSpeed's
         hint = f"; give one of its tag folders instead: {', '.join(str(p / t) for t in tags[:3])}" if tags else ""
-        raise CheckpointFormatError(f"{p}: a DeepSpeed checkpoint folder whose latest file names tag {tag!r}, but "
-                                    f"{folder} is missing or holds no *_model_states.pt{hint}")  # fmt: skip
+        raise CheckpointFormatError(
+            f"{p}: a DeepSpeed checkpoint folder whose latest file names tag {tag!r}, but "
+            f"{folder} is missing or holds no *_model_states.pt{hint}"
+        )
     if any(p.glob("*_model_states.pt")) and any(p.glob("*_optim_states.pt")):
         return p
     return None

@@ -57,9 +57,10 @@ BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in TABLE if d.safeten
 # torch's weights-only unpickler must also be allowed to build though the pickle never names it:
 # the code numpy pickles ("f8") -> that class ("Float64DType").
 NUMPY_DTYPE_CLASSES: dict[str, str] = {
-    ("b" if d.name == "bool" else d.name[0]) + str(d.itemsize):
-        ("UInt" + d.name[4:] if d.name.startswith("uint") else d.name.capitalize()) + "DType"
+    ("b" if d.name == "bool" else d.name[0]) + str(d.itemsize): (
+        "UInt" + d.name[4:] if d.name.startswith("uint") else d.name.capitalize()
+    )
+    + "DType"
     for d in TABLE
     if re.fullmatch(r"float(16|32|64)|u?int(8|16|32|64)|complex(64|128)|bool", d.name)
-}  # fmt: skip
-
+}

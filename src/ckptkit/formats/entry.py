@@ -108,5 +108,11 @@ def map_entries(node: Any, leaf: Callable[[Any, str], Any], is_leaf: Callable[[A
         values = [map_entries(v, leaf, is_leaf, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
         if all(new is old for new, old in zip(values, node, strict=True)):
             return node
-        return values if isinstance(node, list) else type(node)(values) if not hasattr(node, "_fields") else type(node)(*values)
+        return (
+            values
+            if isinstance(node, list)
+            else type(node)(values)
+            if not hasattr(node, "_fields")
+            else type(node)(*values)
+        )
     return node

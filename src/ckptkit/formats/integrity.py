@@ -84,7 +84,10 @@ def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> 
         try:
             problems.clear()  # read again from the start
             module = mp.read_module(data, on_storage=fits)
-            obj, safe = module.state, f"a pickled {module.description} module: its state_dict() is read without running the pickle"
+            obj, safe = (
+                module.state,
+                f"a pickled {module.description} module: its state_dict() is read without running the pickle",
+            )
         except mp.UnsafeModulePickle as e:
             detail = f"a pickled {e.description} module that calls or names {summarize(e.names)}, beyond what its state_dict() needs"
             return [*checks, Check("safe to load", "safety", False, detail, tuple(e.names))], False
@@ -118,7 +121,14 @@ def safetensors_checks(f: BinaryIO, source: str, *, full: bool, progress: Progre
     """Checks of a safetensors file: header, offsets, aliases and (``full``) recorded CRC-32s."""
     header, start = read_header(f, source=source)
     meta = header.pop("__metadata__", None) or {}
-    checks = [Check("header and offsets", "integrity", True, f"{len(header)} tensors, dtypes known, offsets in bounds, no overlap or gap")]
+    checks = [
+        Check(
+            "header and offsets",
+            "integrity",
+            True,
+            f"{len(header)} tensors, dtypes known, offsets in bounds, no overlap or gap",
+        )
+    ]
     if ALIASES_KEY in meta:
         try:
             detail = f"{len(parse_aliases(meta, header, source))} alias(es), each naming a stored tensor"
@@ -134,8 +144,13 @@ def safetensors_checks(f: BinaryIO, source: str, *, full: bool, progress: Progre
         recorded = parse_crcs(meta, source)
     except CheckpointFormatError as e:
         return [*checks, Check("CRC-32 of every tensor", "integrity", False, str(e))]
-    bad = [n for n, e in header.items() if n in recorded and crc_of_range(f, start + e["data_offsets"][0],
-           e["data_offsets"][1] - e["data_offsets"][0], progress) != recorded[n]]  # fmt: skip
+    bad = [
+        n
+        for n, e in header.items()
+        if n in recorded
+        and crc_of_range(f, start + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0], progress)
+        != recorded[n]
+    ]
     unchecked = [n for n in header if n not in recorded]
     detail = f"damaged: {summarize(bad)}" if bad else f"{len(header) - len(unchecked)} tensors match"
     detail += f"; no CRC for {summarize(unchecked)}" if unchecked else ""
@@ -176,7 +191,9 @@ class Damage:
 def record_tensors(z: TorchZip, obj: Any, record: str) -> str:
     """``tensor fc1.weight in record archive/data/0``: what a record holds, by where its tensors
     are in ``obj`` (the pickle read through stand-ins; None names the record alone)."""
-    names = sorted(w for w, t in tensors_in(obj) if f"{z.prefix}data/{t.storage.key}" == record) if obj is not None else []
+    names = (
+        sorted(w for w, t in tensors_in(obj) if f"{z.prefix}data/{t.storage.key}" == record) if obj is not None else []
+    )
     return f"{tensors_named(names)} in record {record}" if names else f"record {record}"
 
 

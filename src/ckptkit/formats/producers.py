@@ -50,8 +50,12 @@ class Producer:
 
 def is_state_dict(value: Any, is_tensor: IsTensor) -> bool:
     """A non-empty mapping of names to tensors (``*_extra_state`` entries may be anything)."""
-    return (isinstance(value, Mapping) and bool(value) and any(is_tensor(v) for v in value.values())
-            and all(isinstance(k, str) and (is_tensor(v) or k.endswith("_extra_state")) for k, v in value.items()))  # fmt: skip
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and any(is_tensor(v) for v in value.values())
+        and all(isinstance(k, str) and (is_tensor(v) or k.endswith("_extra_state")) for k, v in value.items())
+    )
 
 
 def is_averaged(state: Any, is_tensor: IsTensor) -> bool:
@@ -100,13 +104,18 @@ def ema_entries(obj: Mapping[str, Any], is_tensor: IsTensor, *, skip: str | None
         >>> ema_entries({"model": {"w": 1}, "model_ema": {"w": 2}}, lambda v: isinstance(v, int))
         ['model_ema']
     """
-    return [str(k) for k, v in obj.items()
-            if str(k) != skip and is_state_dict(v, is_tensor) and (is_ema_name(str(k)) or is_averaged(v, is_tensor))]  # fmt: skip
+    return [
+        str(k)
+        for k, v in obj.items()
+        if str(k) != skip and is_state_dict(v, is_tensor) and (is_ema_name(str(k)) or is_averaged(v, is_tensor))
+    ]
 
 
 def _scalar(obj: Mapping[str, Any], *keys: str) -> str:
     """``key=value`` for the keys ``obj`` holds as plain scalars (an epoch, a step, a version)."""
-    return ", ".join(f"{k}={obj[k]}" for k in keys if isinstance(obj.get(k), (int, float, str)) and not isinstance(obj.get(k), bool))
+    return ", ".join(
+        f"{k}={obj[k]}" for k in keys if isinstance(obj.get(k), (int, float, str)) and not isinstance(obj.get(k), bool)
+    )
 
 
 def _with(text: str, details: str) -> str:
@@ -123,9 +132,15 @@ def recognise(obj: Any, *, is_tensor: IsTensor) -> Producer | None:
     if not isinstance(obj, Mapping):
         return None
     if is_averaged(obj, is_tensor):
-        return Producer("averaged-model", "torch.optim.swa_utils.AveragedModel state dict (SWA/EMA)", weights="",
-                        notes=[f"{AVERAGED_COUNT} is the count of models averaged, not a weight; convert leaves it out "
-                               "and removes module."])  # fmt: skip
+        return Producer(
+            "averaged-model",
+            "torch.optim.swa_utils.AveragedModel state dict (SWA/EMA)",
+            weights="",
+            notes=[
+                f"{AVERAGED_COUNT} is the count of models averaged, not a weight; convert leaves it out "
+                "and removes module."
+            ],
+        )
     if "pytorch-lightning_version" in obj:
         return _lightning(obj, is_tensor)
     if "meta" in obj and "state_dict" in obj and ("message_hub" in obj or isinstance(obj.get("meta"), Mapping)):
@@ -133,16 +148,32 @@ def recognise(obj: Any, *, is_tensor: IsTensor) -> Producer | None:
     if "state_dict" in obj and "arch" in obj:
         ema = next((k for k in ("state_dict_ema", "state_dict_ema2") if is_state_dict(obj.get(k), is_tensor)), None)
         what = _with("timm CheckpointSaver checkpoint", _scalar(obj, "arch", "epoch", "metric"))
-        notes = ["args is timm train.py's argparse.Namespace: give --allow-global argparse.Namespace to read it"] if "args" in obj else []
+        notes = (
+            ["args is timm train.py's argparse.Namespace: give --allow-global argparse.Namespace to read it"]
+            if "args" in obj
+            else []
+        )
         return Producer("timm", what, weights="state_dict", ema=ema, notes=notes)
     if "ds_version" in obj or ("param_shapes" in obj and "module" in obj):
-        return Producer("deepspeed", _with("DeepSpeed model-states file", _scalar(obj, "ds_version", "global_steps")), weights="module",
-                        notes=["under ZeRO the fp32 master weights are in the *_optim_states.pt files: give the checkpoint folder "
-                               "for those"])  # fmt: skip
-    engines = [str(k) for k, v in obj.items() if isinstance(v, Mapping) and _ENGINE_KEYS <= set(v) and ("iteration" in v or "epoch" in v)]
+        return Producer(
+            "deepspeed",
+            _with("DeepSpeed model-states file", _scalar(obj, "ds_version", "global_steps")),
+            weights="module",
+            notes=[
+                "under ZeRO the fp32 master weights are in the *_optim_states.pt files: give the checkpoint folder "
+                "for those"
+            ],
+        )
+    engines = [
+        str(k)
+        for k, v in obj.items()
+        if isinstance(v, Mapping) and _ENGINE_KEYS <= set(v) and ("iteration" in v or "epoch" in v)
+    ]
     if engines:
         state = obj[engines[0]]
-        what = _with(f"pytorch-ignite Checkpoint (Engine state at {engines[0]!r})", _scalar(state, "epoch", "iteration"))
+        what = _with(
+            f"pytorch-ignite Checkpoint (Engine state at {engines[0]!r})", _scalar(state, "epoch", "iteration")
+        )
         return Producer("ignite", what, ema=_first(ema_entries(obj, is_tensor)))
     return None
 
@@ -157,8 +188,10 @@ def _lightning(obj: Mapping[str, Any], is_tensor: IsTensor) -> Producer:
     ema = None
     if is_state_dict(obj.get("current_model_state"), is_tensor):  # lightning.pytorch.callbacks.WeightAveraging
         ema = "state_dict"
-        notes.append("the WeightAveraging callback put the averaged weights in state_dict (what Lightning loads) and the "
-                     "current ones in current_model_state: --key current_model_state takes those")  # fmt: skip
+        notes.append(
+            "the WeightAveraging callback put the averaged weights in state_dict (what Lightning loads) and the "
+            "current ones in current_model_state: --key current_model_state takes those"
+        )
     callbacks = obj.get("callbacks")
     if isinstance(callbacks, Mapping) and any("StochasticWeightAveraging" in str(k) for k in callbacks):
         notes.append("the StochasticWeightAveraging callback's state is in callbacks")
@@ -167,13 +200,18 @@ def _lightning(obj: Mapping[str, Any], is_tensor: IsTensor) -> Producer:
 
 def _mmengine(obj: Mapping[str, Any], is_tensor: IsTensor) -> Producer:
     meta = obj.get("meta")
-    what = _with("mmengine Runner checkpoint", _scalar(meta, "epoch", "iter", "mmengine_version") if isinstance(meta, Mapping) else "")
+    what = _with(
+        "mmengine Runner checkpoint",
+        _scalar(meta, "epoch", "iter", "mmengine_version") if isinstance(meta, Mapping) else "",
+    )
     notes: list[str] = []
     ema = None
     if is_state_dict(obj.get("ema_state_dict"), is_tensor):  # mmengine.hooks.EMAHook.before_save_checkpoint swaps them
         ema = "state_dict"
-        notes.append("EMAHook swapped the EMA weights into state_dict (what mmengine loads) and the trained ones into "
-                     "ema_state_dict, under module. beside its step count: --key ema_state_dict takes those")  # fmt: skip
+        notes.append(
+            "EMAHook swapped the EMA weights into state_dict (what mmengine loads) and the trained ones into "
+            "ema_state_dict, under module. beside its step count: --key ema_state_dict takes those"
+        )
     return Producer("mmengine", what, weights="state_dict", ema=ema, notes=notes)
 
 

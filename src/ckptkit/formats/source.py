@@ -85,8 +85,15 @@ class Source:
         """
         part = self.part(leaf)
         if isinstance(leaf, StRef):
-            return Bytes(BY_SAFETENSORS[leaf.dtype].name, leaf.shape, leaf.length, self._copier(part, leaf.start, leaf.length, leaf.crc, leaf),
-                         crc=leaf.crc, at=leaf.start, ident=leaf)  # fmt: skip
+            return Bytes(
+                BY_SAFETENSORS[leaf.dtype].name,
+                leaf.shape,
+                leaf.length,
+                self._copier(part, leaf.start, leaf.length, leaf.crc, leaf),
+                crc=leaf.crc,
+                at=leaf.start,
+                ident=leaf,
+            )
         t = lp.tensor_of(leaf)
         if t is None or part.zip is None:
             raise NeedsTorch(f"{name} is not a plain tensor")
@@ -103,9 +110,18 @@ class Source:
         storage = (id(part), t.storage.key)  # storage keys repeat across shards
         whole = start == 0 and length == rec.size  # the zip's CRC covers exactly these bytes
         copy = self._copier(part, rec.data_offset + start, length, rec.crc if whole else None, (part, rec))
-        return Bytes(t.dtype, t.shape, length, copy, crc=rec.crc if whole else None, at=rec.data_offset + start,
-                     ident=(*storage, t.offset, t.shape, t.stride, t.dtype), storage=storage, storage_size=rec.size,
-                     complete=whole)  # fmt: skip
+        return Bytes(
+            t.dtype,
+            t.shape,
+            length,
+            copy,
+            crc=rec.crc if whole else None,
+            at=rec.data_offset + start,
+            ident=(*storage, t.offset, t.shape, t.stride, t.dtype),
+            storage=storage,
+            storage_size=rec.size,
+            complete=whole,
+        )
 
     def records(self) -> dict[str, Bytes]:
         """A torch zip's storage records by key, as entries that copy each record as it is."""
@@ -117,16 +133,36 @@ class Source:
                 continue
             key = rec.name[len(data) :]
             if rec.method == 0:
-                out[key] = Bytes("uint8", (rec.size,), rec.size, self._copier(self, rec.data_offset, rec.size, rec.crc, (self, rec)),
-                                 crc=rec.crc, at=rec.data_offset)  # fmt: skip
+                out[key] = Bytes(
+                    "uint8",
+                    (rec.size,),
+                    rec.size,
+                    self._copier(self, rec.data_offset, rec.size, rec.crc, (self, rec)),
+                    crc=rec.crc,
+                    at=rec.data_offset,
+                )
             else:
-                out[key] = Bytes("uint8", (rec.size,), rec.compressed_size, self._inflated(rec), crc=rec.crc, zip=(rec.method, rec.size))
+                out[key] = Bytes(
+                    "uint8",
+                    (rec.size,),
+                    rec.compressed_size,
+                    self._inflated(rec),
+                    crc=rec.crc,
+                    zip=(rec.method, rec.size),
+                )
         return out
 
     def _copier(self, part: Source, offset: int, length: int, crc: int | None, key: Any) -> Any:
         def copy(f: BinaryIO, progress: Any) -> int:
-            if crc is None and isinstance(key, tuple) and (id(part), key[1].name) not in self._checked and part.zip is not None:
-                self._checked.add((id(part), key[1].name))  # a view: the zip's CRC-32 is its whole storage's, checked once
+            if (
+                crc is None
+                and isinstance(key, tuple)
+                and (id(part), key[1].name) not in self._checked
+                and part.zip is not None
+            ):
+                self._checked.add(
+                    (id(part), key[1].name)
+                )  # a view: the zip's CRC-32 is its whole storage's, checked once
                 self.damage.check(key, key[1].crc, record_crc(part.zip, key[1]))
             assert part.file is not None  # a part is one open file
             read = copy_range(part.file, f, offset, length, progress, crc=True)
@@ -148,7 +184,10 @@ class Source:
         """A mismatch named by where its tensors are (``fc1.weight``, and the shard of a sharded
         source), for a StRef or a zip Record."""
         if isinstance(key, StRef):
-            part, text = self.part(key), tensors_named([n for n, ref in self.obj.items() if ref is key])  # aliases share one StRef
+            part, text = (
+                self.part(key),
+                tensors_named([n for n, ref in self.obj.items() if ref is key]),
+            )  # aliases share one StRef
         else:
             part, rec = key
             text = record_tensors(part.zip, part.obj, rec.name) if part.zip is not None else rec.name
@@ -203,8 +242,16 @@ def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
     meta = dict(header.pop("__metadata__", None) or {})
     crcs = parse_crcs(meta, str(path))
     obj: OrderedDict[str, Any] = OrderedDict(
-        (name, StRef(e["dtype"], tuple(e["shape"]), start + e["data_offsets"][0],
-                     e["data_offsets"][1] - e["data_offsets"][0], crcs.get(name)))  # fmt: skip
+        (
+            name,
+            StRef(
+                e["dtype"],
+                tuple(e["shape"]),
+                start + e["data_offsets"][0],
+                e["data_offsets"][1] - e["data_offsets"][0],
+                crcs.get(name),
+            ),
+        )
         for name, e in header.items()
     )
     obj = insert_aliases(obj, parse_aliases(meta, obj, str(path)))

@@ -87,7 +87,9 @@ def atomic_folder(path: str | os.PathLike[str], *, check: Callable[[Path], None]
         what = "is not a folder" if parent.exists() else "does not exist"
         raise CheckpointWriteError(f"cannot write {dest}: {parent} {what}; create the folder first")
     if dest.is_symlink():  # the swap would replace the link, not the folder it points to
-        raise CheckpointWriteError(f"cannot write folder {dest}: it is a symbolic link; give the folder it points to, {dest.resolve()}")
+        raise CheckpointWriteError(
+            f"cannot write folder {dest}: it is a symbolic link; give the folder it points to, {dest.resolve()}"
+        )
     if dest.exists() and not dest.is_dir():
         raise CheckpointWriteError(f"cannot write folder {dest}: a file has that name; remove it or choose another")
     remove_stale_temps(dest)
@@ -128,7 +130,9 @@ def check_folder_destination(src: Path, dest: Path, *, force: bool, owned: Calla
     if dest.is_symlink():
         raise ArgumentError(f"{dest} is a symbolic link; give the folder it points to ({dest.resolve()}) or a new path")
     if dest.exists() and not dest.is_dir():
-        raise ArgumentError(f"{dest} is a file; this output is a folder: give a new folder's path, e.g. {dest.with_suffix('')}/")
+        raise ArgumentError(
+            f"{dest} is a file; this output is a folder: give a new folder's path, e.g. {dest.with_suffix('')}/"
+        )
     if not dest.is_dir():
         return
     if src.resolve() == dest.resolve() or dest.resolve() in src.resolve().parents:

@@ -78,7 +78,13 @@ class ClampedReader:
 
 
 def copy_range(
-    src: BinaryIO, dst: BinaryIO, offset: int, length: int, progress: Progress | None = None, *, crc: bool = False,
+    src: BinaryIO,
+    dst: BinaryIO,
+    offset: int,
+    length: int,
+    progress: Progress | None = None,
+    *,
+    crc: bool = False,
     aside: Aside | None = None,
 ) -> int:
     """Append ``length`` bytes of ``src`` from ``offset`` to ``dst``, in the kernel when it can.
@@ -268,7 +274,9 @@ def crc_of_range(src: BinaryIO, offset: int, length: int, progress: Progress | N
     while left:
         chunk = src.read(min(8 << 20, left))  # small chunks: verify keeps little memory
         if not chunk:
-            raise CheckpointFormatError(f"{getattr(src, 'name', 'source')}: ended early at byte {offset + length - left}")
+            raise CheckpointFormatError(
+                f"{getattr(src, 'name', 'source')}: ended early at byte {offset + length - left}"
+            )
         crc = _crc32(chunk, crc)
         left -= len(chunk)
         if progress is not None:

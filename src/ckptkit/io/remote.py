@@ -65,7 +65,9 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         import fsspec  # deferred: only URLs need it, and it is an optional extra
     except ImportError:
-        raise ArgumentError(f"{url}: URLs need fsspec (and s3fs for s3://), which is not installed; {_INSTALL}") from None
+        raise ArgumentError(
+            f"{url}: URLs need fsspec (and s3fs for s3://), which is not installed; {_INSTALL}"
+        ) from None
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:  # fsspec knows the protocol, its package (s3fs) is missing
@@ -82,7 +84,9 @@ def _info(fs: Any, key: str, url: str) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
-        raise StorageError(f"{url}: the store refused to describe it ({e}); check the URL, credentials and network") from e
+        raise StorageError(
+            f"{url}: the store refused to describe it ({e}); check the URL, credentials and network"
+        ) from e
 
 
 def exists(url: str) -> bool:
@@ -94,10 +98,14 @@ def exists(url: str) -> bool:
 def object_info(fs: Any, key: str, url: str) -> dict[str, Any]:
     info = _info(fs, key, url)
     if info is None:
-        raise CheckpointNotFoundError(f"{url}: no such object; check the bucket and key (list them with `aws s3 ls`)", filename=url)
+        raise CheckpointNotFoundError(
+            f"{url}: no such object; check the bucket and key (list them with `aws s3 ls`)", filename=url
+        )
     if info.get("type") != "file":
-        raise ArgumentError(f"{url} is a prefix (a folder), not an object; ckptkit reads single objects from URLs: "
-                            "copy a folder checkpoint to a local path first")  # fmt: skip
+        raise ArgumentError(
+            f"{url} is a prefix (a folder), not an object; ckptkit reads single objects from URLs: "
+            "copy a folder checkpoint to a local path first"
+        )
     return info
 
 
@@ -123,11 +131,17 @@ def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
         try:
             data = fs.cat_file(key, start=at, end=end)
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{url}: the object went away while it was read; read it again", filename=url) from None
+            raise CheckpointNotFoundError(
+                f"{url}: the object went away while it was read; read it again", filename=url
+            ) from None
         except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
-            raise StorageError(f"{url}: reading bytes {at}-{end} failed ({e}); check the network and read it again") from e
+            raise StorageError(
+                f"{url}: reading bytes {at}-{end} failed ({e}); check the network and read it again"
+            ) from e
         if len(data) != end - at:
-            raise StorageError(f"{url}: asked for bytes {at}-{end}, got {len(data)}: the object changed while it was read; read it again")
+            raise StorageError(
+                f"{url}: asked for bytes {at}-{end}, got {len(data)}: the object changed while it was read; read it again"
+            )
         value = crc32(data, value)
         if sink is not None:
             sink.write(data)
@@ -151,8 +165,10 @@ def download(url: str, local: Path) -> int:
         raise StorageError(f"{url}: the object was replaced while it was read; read it again")
     recorded = _recorded_crc(fs, key)
     if recorded is not None and recorded != value:
-        raise CheckpointFormatError(f"{url}: its bytes have CRC-32 {value:08x}, but ckptkit recorded {recorded:08x} when it "
-                                    "wrote them: damaged in the store or on the way; read it again, or restore a copy")  # fmt: skip
+        raise CheckpointFormatError(
+            f"{url}: its bytes have CRC-32 {value:08x}, but ckptkit recorded {recorded:08x} when it "
+            "wrote them: damaged in the store or on the way; read it again, or restore a copy"
+        )
     return value
 
 
@@ -163,7 +179,9 @@ def staging(url: str) -> Iterator[Path]:
     try:
         folder = Path(tempfile.mkdtemp(prefix="ckptkit-stage-", dir=root))
     except OSError as e:
-        raise StorageError(f"{url}: cannot make a staging folder in {root} ({e}); set CKPTKIT_STAGING to a writable folder") from e
+        raise StorageError(
+            f"{url}: cannot make a staging folder in {root} ({e}); set CKPTKIT_STAGING to a writable folder"
+        ) from e
     try:
         yield folder / (name_of(url) or "object")
     finally:

@@ -67,7 +67,9 @@ def upload_verified(local: Path, url: str) -> None:
     try:
         out = fs.open(key, "wb", block_size=part, **extra)
     except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
-        raise CheckpointWriteError(f"cannot write {url}: {e}; {untouched}; check the bucket, credentials and network") from e
+        raise CheckpointWriteError(
+            f"cannot write {url}: {e}; {untouched}; check the bucket, credentials and network"
+        ) from e
     try:
         sent = 0
         with open(local, "rb") as f:
@@ -102,8 +104,10 @@ def check_object(url: str, *, size: int, crc: int) -> None:
         with contextlib.suppress(Exception):
             fs.rm(key)
         got = f"{found_size} bytes" + (f", CRC-32 {found:08x}" if found is not None else "")
-        raise CheckpointWriteError(f"{url}: read back {got}, but {size} bytes with CRC-32 {crc:08x} were written; "
-                                   "the object was removed; write it again")  # fmt: skip
+        raise CheckpointWriteError(
+            f"{url}: read back {got}, but {size} bytes with CRC-32 {crc:08x} were written; "
+            "the object was removed; write it again"
+        )
 
 
 @contextlib.contextmanager

@@ -18,7 +18,9 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(shape) if shape is not None else None
 
 
-def check_fit(state_dict: Mapping[str, Any], target: Mapping[str, Any]) -> tuple[list[str], list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+def check_fit(
+    state_dict: Mapping[str, Any], target: Mapping[str, Any]
+) -> tuple[list[str], list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
     """Compare a state dict with a target state dict: ``(missing, unexpected, mismatched)``."""
     missing = [k for k in target if k not in state_dict]
     unexpected = [k for k in state_dict if k not in target]
@@ -45,7 +47,12 @@ def _memory(value: Any) -> tuple[Any, int, int] | None:
 
 def _covers(outer: Any, inner: Any) -> bool:
     """Whether loading ``outer`` writes every element of ``inner`` (both in one storage)."""
-    if (outer.storage_offset(), outer.shape, outer.stride(), outer.dtype) == (inner.storage_offset(), inner.shape, inner.stride(), inner.dtype):
+    if (outer.storage_offset(), outer.shape, outer.stride(), outer.dtype) == (
+        inner.storage_offset(),
+        inner.shape,
+        inner.stride(),
+        inner.dtype,
+    ):
         return True  # tied weights: one tensor under two names
     if outer.dtype != inner.dtype or not outer.is_contiguous():
         return False
@@ -87,7 +94,9 @@ def _tied_value(stored: Any, inner: Any, outer: Any) -> Any:
     if (outer.storage_offset(), outer.shape, outer.stride()) == (inner.storage_offset(), inner.shape, inner.stride()):
         return stored
     flat = stored.contiguous().view(-1)
-    return flat.as_strided(inner.shape, inner.stride(), flat.storage_offset() + inner.storage_offset() - outer.storage_offset())
+    return flat.as_strided(
+        inner.shape, inner.stride(), flat.storage_offset() + inner.storage_offset() - outer.storage_offset()
+    )
 
 
 def _check_filling_ties(adapted: dict[str, Any], target: Mapping[str, Any]) -> tuple[list[str], list[str], list[Any]]:
@@ -107,7 +116,9 @@ def _check_filling_ties(adapted: dict[str, Any], target: Mapping[str, Any]) -> t
     return still, unexpected, mismatched
 
 
-def fitting_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any], *, wrappers: Iterable[str] = WRAPPER_PREFIXES) -> list[str]:
+def fitting_prefixes(
+    state_dict: Mapping[str, Any], target: Mapping[str, Any], *, wrappers: Iterable[str] = WRAPPER_PREFIXES
+) -> list[str]:
     """The leading prefixes under which ``state_dict`` holds exactly ``target``'s keys, one to one
     and shape for shape (tied ones may be stored once), wrapper segments aside: ``["net."]`` for a
     LightningModule's ``net._orig_mod.conv1.weight`` against a plain net, two for a teacher and a
@@ -121,7 +132,9 @@ def fitting_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any], *
     want = {canonical_key(k, names): _shape(v) for k, v in target.items()}
     if len(want) != len(target):  # two model keys with one plain name: names cannot decide
         return []
-    ties = {canonical_key(k, names): {canonical_key(o, names) for o in others} for k, others in tied_keys(target).items()}
+    ties = {
+        canonical_key(k, names): {canonical_key(o, names) for o in others} for k, others in tied_keys(target).items()
+    }
     under: dict[str, dict[str, str]] = {}  # plain prefix -> {model key: checkpoint key}
     raw: dict[str, set[str]] = {}  # plain prefix -> how the checkpoint's keys spell it
     for key in state_dict:
@@ -157,7 +170,7 @@ def _mismatch_message(source: str, model: Any, found: tuple[list[str], list[str]
         parts.append(f"{len(mismatched)} shape mismatch(es) ({summarize(shown, 4)})")
     hint = "Fix the model definition, or pass strict=False to load only the keys that fit"
     common = detect_prefixes(unexpected).common if len(unexpected) > 1 else ""
-    healed = {k[len(common):] for k in unexpected} & set(missing) if common else set()
+    healed = {k[len(common) :] for k in unexpected} & set(missing) if common else set()
     if healed and len(healed) * 2 >= len(unexpected):  # dropping the prefix would fix most of them
         hint = f"The checkpoint's extra keys all start with {common!r}: pass wrappers=(..., {common!r}) to treat it as a wrapper prefix"
     return f"{source} does not fit {type(model).__name__}: {'; '.join(parts)}. {hint}"
@@ -172,7 +185,9 @@ def load_into_model(
     source: str = "state dict",
 ) -> None:
     """Adapt wrapper prefixes to ``model`` and load; report every mismatch at once."""
-    model.load_state_dict(fit_to_model(model, state_dict, strict=strict, wrappers=wrappers, source=source), strict=strict)
+    model.load_state_dict(
+        fit_to_model(model, state_dict, strict=strict, wrappers=wrappers, source=source), strict=strict
+    )
 
 
 def fit_to_model(
@@ -207,8 +222,10 @@ def fit_to_model(
                 f"{source}: {len(fits) + len(top)} parts of the checkpoint fit {name} by name and shape "
                 f"({', '.join(top + [repr(f) for f in fits])}); say which with {pick}"
                 + (", or strict=False for the top level alone" if top else ""),
-                missing=found[0], unexpected=found[1], mismatched=found[2],
-            )  # fmt: skip
+                missing=found[0],
+                unexpected=found[1],
+                mismatched=found[2],
+            )
         if fits and not top:
             adapted = adapt_state_dict(select_prefix(state_dict, fits[0]), model, wrappers=wrappers)
             found = _check_filling_ties(adapted, target)

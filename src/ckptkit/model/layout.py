@@ -99,13 +99,17 @@ def find_model_state(
                 return (name,), obj[name]
         candidates = [str(k) for k, v in obj.items() if is_state_dict(v, is_tensor)]
         trained = [c for c in candidates if not is_ema_name(c)]
-        if len(candidates) > 1 and len(trained) == 1:  # {"student": ..., "student_ema": ...}: an EMA copy is taken only by --key
+        if (
+            len(candidates) > 1 and len(trained) == 1
+        ):  # {"student": ..., "student_ema": ...}: an EMA copy is taken only by --key
             candidates = trained
         if len(candidates) == 1:
             return (candidates[0],), obj[candidates[0]]
         top = summarize([str(k) for k in obj.keys()]) or "none"
         if candidates:
-            raise LayoutError(f"{source}: several entries hold state dicts ({summarize(candidates)}); say which with {say}")
+            raise LayoutError(
+                f"{source}: several entries hold state dicts ({summarize(candidates)}); say which with {say}"
+            )
         raise LayoutError(
             f"{source}: no model state dict found; looked at the top level and at "
             f"{', '.join(MODEL_KEYS)} (top-level entries: {top}); say where with {say}"

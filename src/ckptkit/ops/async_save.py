@@ -74,7 +74,9 @@ class AsyncSaver:
         staged = self._stage(obj) if _dist.rank() == 0 else None
         self._start(staged, as_destination(path), on_done)
 
-    def save_training_state(self, path: str | os.PathLike[str], *, on_done: Callable[[], None] | None = None, **state: Any) -> None:
+    def save_training_state(
+        self, path: str | os.PathLike[str], *, on_done: Callable[[], None] | None = None, **state: Any
+    ) -> None:
         """Like :func:`save_training_state`, returning once the state is copied. Must be called on all ranks.
 
         ``on_done`` runs (in the background thread) after the file is complete and durable on
@@ -151,7 +153,7 @@ class AsyncSaver:
                     buf = self._pinned[i]
                 else:
                     buf = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=cuda)
-                    self._pinned[i:i + 1] = [buf]
+                    self._pinned[i : i + 1] = [buf]
                 copy = buf.untyped_storage()
                 copy.copy_(storage, non_blocking=cuda)  # other accelerators: a blocking copy
                 if cuda:

@@ -67,8 +67,10 @@ def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | Non
     if dst.exists():
         if any(os.path.samefile(f, dst) for f in _source_files(src)):
             same = src.is_file() and os.path.samefile(src, dst)
-            raise ArgumentError(f"{dst} is {'the source file' if same else f'a file of the source {src}'}; "
-                                "write the result to another path (SRC is never modified)")  # fmt: skip
+            raise ArgumentError(
+                f"{dst} is {'the source file' if same else f'a file of the source {src}'}; "
+                "write the result to another path (SRC is never modified)"
+            )
         if not force:
             raise ArgumentError(f"{dst} exists; pass {spell('force=True', '--force')} to replace it")
     return fmt
@@ -180,7 +182,9 @@ def convert_checkpoint(
         raise ArgumentError(f"format must be 'dcp' or None (the format DST's suffix names), not {format!r}")
     if format == DCP and max_shard_size is not None:
         shard = spell("max_shard_size", "--max-shard-size")
-        raise ArgumentError(f"{shard} is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave {shard} out")
+        raise ArgumentError(
+            f"{shard} is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave {shard} out"
+        )
     said_folder = os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir()
     folder = format is None and (max_shard_size is not None or said_folder)
     limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
@@ -195,28 +199,49 @@ def convert_checkpoint(
     total = fp.checkpoint_bytes(source, in_fmt)
     report_progress = (lambda n: progress(n, total)) if progress else None
     reason = "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
-    reason = reason or ("trusted file: loaded with torch" if trust and in_fmt != DEEPSPEED else "")  # ZeRO: nothing to trust
+    reason = reason or (
+        "trusted file: loaded with torch" if trust and in_fmt != DEEPSPEED else ""
+    )  # ZeRO: nothing to trust
     if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP, DEEPSPEED):
         try:
-            view = dss.open_deepspeed(source, zero_weights=zero_weights) if in_fmt == DEEPSPEED else \
-                dcps.open_dcp(source, lazy=True) if in_fmt == DCP else fp.open_source(source, in_fmt)  # fmt: skip
+            view = (
+                dss.open_deepspeed(source, zero_weights=zero_weights)
+                if in_fmt == DEEPSPEED
+                else dcps.open_dcp(source, lazy=True)
+                if in_fmt == DCP
+                else fp.open_source(source, in_fmt)
+            )
             try:
-                total = view.nbytes if isinstance(view, dss.DsSource) else total  # its partitions, not the optimizer states
-                is_leaf = dcps.is_leaf if isinstance(view, dcps.DcpSource) else dss.is_leaf if isinstance(view, dss.DsSource) else fp.is_leaf
+                total = (
+                    view.nbytes if isinstance(view, dss.DsSource) else total
+                )  # its partitions, not the optimizer states
+                is_leaf = (
+                    dcps.is_leaf
+                    if isinstance(view, dcps.DcpSource)
+                    else dss.is_leaf
+                    if isinstance(view, dss.DsSource)
+                    else fp.is_leaf
+                )
                 cast = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
                 job.cast = fast_cast(view, cast) if cast else None
-                report = job.run(view.obj, is_leaf, lambda f, obj, sd: fast_write(f, view, obj, sd, job, limit, report_progress))
+                report = job.run(
+                    view.obj, is_leaf, lambda f, obj, sd: fast_write(f, view, obj, sd, job, limit, report_progress)
+                )
                 report.pickled_module = view.module if isinstance(view, fp.Source) else ""
                 report.notes += [f"{view.description}: {view.weights_from}"] if isinstance(view, dss.DsSource) else []
                 report.notes += cast.notes() if cast else []
                 report.cast = list(cast.names) if cast else []
-                report.notes += ["sanitize: nothing to change (the weights were read without unpickling anything)"] * sanitize
+                report.notes += [
+                    "sanitize: nothing to change (the weights were read without unpickling anything)"
+                ] * sanitize
                 return report
             finally:
                 view.close()
         except mp.UnsafeModulePickle as e:
             if not allow_globals:
-                raise unsafe_error(str(source), e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK) from None
+                raise unsafe_error(
+                    str(source), e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK
+                ) from None
             reason = "pickled module with allowed globals: loaded with torch"
         except UnsupportedGlobal as e:
             reason = f"{e.name} is not modelled by the fast path: loaded with torch"
@@ -226,8 +251,11 @@ def convert_checkpoint(
         reason = f"{in_fmt} input: loaded with torch"
     from .read import read_checkpoint, read_deepspeed  # deferred: torch is imported only when this path is taken
 
-    obj = read_deepspeed(source, map_location="cpu", zero_weights=zero_weights) if in_fmt == DEEPSPEED else \
-        read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)  # fmt: skip
+    obj = (
+        read_deepspeed(source, map_location="cpu", zero_weights=zero_weights)
+        if in_fmt == DEEPSPEED
+        else read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)
+    )
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt, progress=report_progress)
     cast, changes = Cast(dtype) if dtype else None, []
@@ -253,13 +281,18 @@ def convert_checkpoint(
 
         report = job.run(obj, None, lambda _, obj, state: write_dcp(obj, dest))
     else:
-        report = job.run(obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest))
+        report = job.run(
+            obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest)
+        )
     report.fast, report.fallback_reason = False, reason
     report.notes += cast.notes() if cast else []
     report.cast, report.sanitized = list(cast.names) if cast else [], changes
     if sanitize:
-        report.notes.append(f"sanitized for torch.load(weights_only=True): {'; '.join(changes)}" if changes else
-                            "sanitize: nothing to change (torch.load(weights_only=True) reads it as it was)")  # fmt: skip
+        report.notes.append(
+            f"sanitized for torch.load(weights_only=True): {'; '.join(changes)}"
+            if changes
+            else "sanitize: nothing to change (torch.load(weights_only=True) reads it as it was)"
+        )
     if trust and in_fmt == ZIP:  # read by the same inert walk (_torchload), if it is a whole module
         report.pickled_module = pickled_module_name(source)
         if report.pickled_module:  # nothing of the pickle was run: only its tensors went through torch

@@ -96,7 +96,9 @@ class Job:
         notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
         if count:
             keep = spell("to='keep'", "--to keep")
-            notes.append(f"{count} ({AVERAGED_COUNTS[count]}) not written: a plain model has no such buffer; {keep} keeps it")
+            notes.append(
+                f"{count} ({AVERAGED_COUNTS[count]}) not written: a plain model has no such buffer; {keep} keeps it"
+            )
         return ConvertReport(
             source=str(self.source),
             destination=str(self.dest),
@@ -109,14 +111,22 @@ class Job:
             prefix_after=after,
             dropped=others if self.model_only else [],
             left=[] if self.model_only else other_wrapped_weights(obj, path, is_tensor),
-            tied=tied_names(self.dest) if self.out_fmt == SAFETENSORS else [f"{a} is {b}" for a, b in hf.tied.items()] if hf else [],
-            bytes=sum(f.stat().st_size for f in self.dest.iterdir()) if self.dest.is_dir() else self.dest.stat().st_size,
+            tied=tied_names(self.dest)
+            if self.out_fmt == SAFETENSORS
+            else [f"{a} is {b}" for a, b in hf.tied.items()]
+            if hf
+            else [],
+            bytes=sum(f.stat().st_size for f in self.dest.iterdir())
+            if self.dest.is_dir()
+            else self.dest.stat().st_size,
             shards=len(hf.files) if hf else 0,
             notes=notes,
         )
 
 
-def fast_write(f: Any, view: fp.Source | dcps.DcpSource | dss.DsSource, obj: Any, state: Any, job: Job, limit: int, progress: Any) -> Any:
+def fast_write(
+    f: Any, view: fp.Source | dcps.DcpSource | dss.DsSource, obj: Any, state: Any, job: Job, limit: int, progress: Any
+) -> Any:
     """The torch-free path: the source's tensors as entries, into the one writer of the output's
     format; a byte that differs from its source's CRC-32 fails the whole output."""
     if isinstance(view, (dcps.DcpSource, dss.DsSource)):  # their leaves are entries already
@@ -128,18 +138,26 @@ def fast_write(f: Any, view: fp.Source | dcps.DcpSource | dss.DsSource, obj: Any
     if job.out_fmt in (HF, SAFETENSORS):
         tensors = {k: entry(v, k) for k, v in state.items()}
         if job.out_fmt == HF:
-            written = write_shards(job.dest, tensors, max_shard_size=limit, source=name, progress=progress, after=view.damage.raise_if_any)
+            written = write_shards(
+                job.dest, tensors, max_shard_size=limit, source=name, progress=progress, after=view.damage.raise_if_any
+            )
         else:
             write_safetensors(f, tensors, meta, source=name, progress=progress)
-    elif isinstance(view, fp.Source) and view.zip is not None and job.cast is None:  # storages copied as they are, views and all
-        write_torch_zip(f, obj, records=view.records(), prefix=view.zip.prefix, byteorder=view.zip.byteorder, progress=progress)
+    elif (
+        isinstance(view, fp.Source) and view.zip is not None and job.cast is None
+    ):  # storages copied as they are, views and all
+        write_torch_zip(
+            f, obj, records=view.records(), prefix=view.zip.prefix, byteorder=view.zip.byteorder, progress=progress
+        )
     else:
         write_torch_zip(f, map_entries(obj, entry, lambda v: isinstance(v, Entry) or fp.is_leaf(v)), progress=progress)
     view.damage.raise_if_any()
     return written
 
 
-def fast_cast(view: fp.Source | dcps.DcpSource | dss.DsSource, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def fast_cast(
+    view: fp.Source | dcps.DcpSource | dss.DsSource, cast: Cast
+) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """The weights with each floating tensor ``cast`` wants wrapped to be cast as it is copied
     (:class:`~ckptkit.formats.cast.CastEntry`: torch-free, each source byte still checked); a
     torch zip is then written tensor by tensor, not storage by storage."""
@@ -154,7 +172,9 @@ def fast_cast(view: fp.Source | dcps.DcpSource | dss.DsSource, cast: Cast) -> Ca
     return run
 
 
-def convert_remote(src: str | os.PathLike[str], dst: str | os.PathLike[str], convert: Callable[..., ConvertReport], **options: Any) -> ConvertReport:
+def convert_remote(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], convert: Callable[..., ConvertReport], **options: Any
+) -> ConvertReport:
     """``convert`` with either end a URL: the source staged in a local file; the output written and
     checked locally, then uploaded (whole or not at all: a failed upload leaves the previous
     object) and read back. Folder outputs (Hugging Face shards, DCP) to a URL are refused."""

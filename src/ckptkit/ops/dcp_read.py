@@ -27,7 +27,11 @@ from .safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, u
 
 
 def read_dcp(
-    path: str | os.PathLike[str], *, trust: bool = False, allow_globals: AllowGlobals = (), map_location: MapLocation = None
+    path: str | os.PathLike[str],
+    *,
+    trust: bool = False,
+    allow_globals: AllowGlobals = (),
+    map_location: MapLocation = None,
 ) -> dict[str, Any]:
     """Load a DCP folder into a nested dict of tensors and values.
 
@@ -94,7 +98,9 @@ def _load(folder: Path, trust: bool, allowed: list[Any]) -> dict[str, Any]:
         what = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown failure"
         raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {what}") from e
     except PICKLE_ERRORS as e:
-        raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {type(e).__name__}: {e}") from e
+        raise CheckpointFormatError(
+            f"{folder}: cannot read this torch.distributed.checkpoint: {type(e).__name__}: {e}"
+        ) from e
     return state
 
 

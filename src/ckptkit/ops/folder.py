@@ -86,7 +86,9 @@ class CheckpointFolder:
             return
         p = Path(path)
         if not p.is_file():
-            raise CheckpointNotFoundError(f"{p}: cannot commit a checkpoint that does not exist; save it first, then commit", filename=str(p))
+            raise CheckpointNotFoundError(
+                f"{p}: cannot commit a checkpoint that does not exist; save it first, then commit", filename=str(p)
+            )
         if p.parent.resolve() != self.folder.resolve():
             raise ArgumentError(f"{p} is not in {self.folder}; commit files named by path_for(step)")
         with atomic_write(self.folder / self.POINTER) as f:
@@ -97,7 +99,9 @@ class CheckpointFolder:
         if not is_url(url) or url.rsplit("/", 1)[0] != folder:
             raise ArgumentError(f"{url} is not in {folder}; commit objects named by path_for(step)")
         if not exists(url):  # an aborted or unfinished upload is no object
-            raise CheckpointNotFoundError(f"{url}: cannot commit a checkpoint that does not exist; save it first, then commit", filename=url)
+            raise CheckpointNotFoundError(
+                f"{url}: cannot commit a checkpoint that does not exist; save it first, then commit", filename=url
+            )
         write_small(join(folder, self.POINTER), f"{name_of(url)}\n".encode())  # one PUT, read back
         self._prune(name_of(url))
 
@@ -131,13 +135,19 @@ class CheckpointFolder:
                 choice = self._find(full)
                 outcome = (str(choice) if choice else None, None)
             except (CkptkitError, OSError) as e:
-                failure = e if isinstance(e, CkptkitError) else CheckpointFormatError(f"{self.folder}: cannot read it to pick a checkpoint ({e})")
+                failure = (
+                    e
+                    if isinstance(e, CkptkitError)
+                    else CheckpointFormatError(f"{self.folder}: cannot read it to pick a checkpoint ({e})")
+                )
                 outcome = (None, (type(failure).__name__, str(failure)))
         answer, error = _dist.broadcast_object(outcome, what="CheckpointFolder.latest")
         if failure is not None:
             raise failure
         if error is not None:
-            raise rebuild_error(error[0], f"rank 0 could not pick a checkpoint: {error[1]}", default=CheckpointFormatError)
+            raise rebuild_error(
+                error[0], f"rank 0 could not pick a checkpoint: {error[1]}", default=CheckpointFormatError
+            )
         return (answer if self.remote else Path(answer)) if answer else None
 
     def _pointer(self) -> str | None:

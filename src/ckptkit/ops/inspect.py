@@ -47,7 +47,9 @@ class CheckpointSummary:
     loaded_with_torch: bool = False
     trusted: bool = False
     pickled_module: str = ""  # a whole pickled module's class: the tensors are its state_dict()
-    producer: dict[str, Any] | None = None  # who wrote it, where its weights and EMA copy are (formats.producers.Producer)
+    producer: dict[str, Any] | None = (
+        None  # who wrote it, where its weights and EMA copy are (formats.producers.Producer)
+    )
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -76,7 +78,9 @@ class CheckpointSummary:
         out: dict[str, dict[str, Any]] = {}
         for t in self.tensors:
             pattern = re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", t.name)
-            g = out.setdefault(pattern, {"pattern": pattern, "count": 0, "indices": [], "shapes": set(), "dtypes": set(), "nbytes": 0})
+            g = out.setdefault(
+                pattern, {"pattern": pattern, "count": 0, "indices": [], "shapes": set(), "dtypes": set(), "nbytes": 0}
+            )
             g["count"] += 1
             g["indices"] += [int(x) for x in re.findall(r"(?:^|\.)(\d+)(?=\.)", t.name)[:1]]
             g["shapes"].add(tuple(t.shape))
@@ -92,8 +96,13 @@ class CheckpointSummary:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(numel=self.numel, bytes_by_dtype=self.bytes_by_dtype, devices=self.devices, tensor_count=len(self.tensors),
-                 shared=self.shared)  # fmt: skip
+        d.update(
+            numel=self.numel,
+            bytes_by_dtype=self.bytes_by_dtype,
+            devices=self.devices,
+            tensor_count=len(self.tensors),
+            shared=self.shared,
+        )
         return d
 
 
@@ -199,7 +208,9 @@ def inspect_checkpoint(
         ck = obj.get("ckptkit")
         if isinstance(ck, Mapping):
             summary.metadata.update({f"ckptkit.{k}": str(v) for k, v in ck.items()})
-    if (producer := name_producer(p, fmt, obj, "/".join(where) if where is not None else None, is_tensor, meta=meta)) is not None:
+    if (
+        producer := name_producer(p, fmt, obj, "/".join(where) if where is not None else None, is_tensor, meta=meta)
+    ) is not None:
         summary.producer = asdict(producer)
     if where is None:
         return summary

@@ -80,7 +80,9 @@ def read_deepspeed(path: Path) -> tuple[Any, Any, _Info, dict[str, Any], str]:
     return src.obj, dss.is_leaf, info, meta, ""
 
 
-def read_with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tuple[Any, Any, _Info, dict[str, Any], str]:
+def read_with_torch(
+    path: Path, trust: bool, allow_globals: AllowGlobals
+) -> tuple[Any, Any, _Info, dict[str, Any], str]:
     import torch
 
     from .read import read_checkpoint  # deferred: the torch-free path above needs no torch
@@ -90,15 +92,23 @@ def read_with_torch(path: Path, trust: bool, allow_globals: AllowGlobals) -> tup
     def info(name: str, t: Any) -> tuple[TensorInfo, Any, int]:
         storage = t.untyped_storage()
         size = t.numel() * t.element_size()
-        return TensorInfo(name, list(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), size), storage.data_ptr(), storage.nbytes()
+        return (
+            TensorInfo(name, list(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), size),
+            storage.data_ptr(),
+            storage.nbytes(),
+        )
 
     return obj, lambda v: isinstance(v, torch.Tensor), info, {}, ""
 
 
-
-
 def name_producer(
-    path: Path, fmt: str, obj: Any, weights_at: str | None, is_tensor: Callable[[Any], bool], *, meta: dict[str, Any] | None = None
+    path: Path,
+    fmt: str,
+    obj: Any,
+    weights_at: str | None,
+    is_tensor: Callable[[Any], bool],
+    *,
+    meta: dict[str, Any] | None = None,
 ) -> Producer | None:
     """Who wrote the checkpoint (:mod:`.formats.producers`, :mod:`.formats.hf.folders`), where its
     weights and any EMA copy are; None where no rule recognises it.
@@ -109,19 +119,32 @@ def name_producer(
     """
     found: Producer | None = None
     if fmt == DEEPSPEED:
-        found = Producer("deepspeed", str((meta or {}).get("deepspeed", "DeepSpeed ZeRO checkpoint folder")), weights=weights_at,
-                         notes=[str((meta or {}).get("weights", ""))])  # fmt: skip
+        found = Producer(
+            "deepspeed",
+            str((meta or {}).get("deepspeed", "DeepSpeed ZeRO checkpoint folder")),
+            weights=weights_at,
+            notes=[str((meta or {}).get("weights", ""))],
+        )
     elif fmt == HF and path.is_dir():
         found = describe_folder(path)
     if found is None:
         found = recognise(obj, is_tensor=is_tensor)
-    if found is not None and found.ema is None and found.name not in ("deepspeed", "hf-trainer", "accelerate", "hf-pretrained"):
+    if (
+        found is not None
+        and found.ema is None
+        and found.name not in ("deepspeed", "hf-trainer", "accelerate", "hf-pretrained")
+    ):
         found.ema = generic_ema(obj, found.weights or weights_at, is_tensor)
     if found is None and (ema := generic_ema(obj, weights_at, is_tensor)):
         averaged = is_averaged(obj[ema], is_tensor)
-        found = Producer("averaged-model" if averaged else "training-checkpoint",
-                         f"a training checkpoint whose {ema} is a torch.optim.swa_utils.AveragedModel (SWA/EMA)" if averaged
-                         else "a training checkpoint (no framework's marks)", weights=weights_at, ema=ema)  # fmt: skip
+        found = Producer(
+            "averaged-model" if averaged else "training-checkpoint",
+            f"a training checkpoint whose {ema} is a torch.optim.swa_utils.AveragedModel (SWA/EMA)"
+            if averaged
+            else "a training checkpoint (no framework's marks)",
+            weights=weights_at,
+            ema=ema,
+        )
     if found is not None and found.weights is None:
         found.weights = weights_at
     return found

@@ -79,8 +79,18 @@ def load_for_rank(
     """
     if is_url(path):  # staged once, for the check and the load
         with staged_read(path) as local:
-            return load_for_rank(local, model=model, map_location=map_location, key=key, strict=strict, trust=trust,
-                                 allow_globals=allow_globals, wrappers=wrappers, mmap=mmap, verify=verify)  # fmt: skip
+            return load_for_rank(
+                local,
+                model=model,
+                map_location=map_location,
+                key=key,
+                strict=strict,
+                trust=trust,
+                allow_globals=allow_globals,
+                wrappers=wrappers,
+                mmap=mmap,
+                verify=verify,
+            )
     source = os.fspath(path)
     if verify:
         verify_checkpoint(source).gate(trust=trust, allow_globals=allow_globals)

@@ -69,7 +69,9 @@ def read_checkpoint(
     """
     if is_url(path):
         with staged_read(path) as local:
-            return _read(os.fspath(local), map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
+            return _read(
+                os.fspath(local), map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap
+            )
     source = os.fspath(path)
     if note := shard_note(Path(source)):  # one shard alone loads as a partial model: say so
         warnings.warn(note, stacklevel=2)
@@ -102,7 +104,9 @@ def _read_shards(source: str, **options: Any) -> OrderedDict[str, Any]:
             raise CheckpointFormatError(f"{index.path}: shard {shard} is not a file of tensors")
         shards[shard] = _read(os.fspath(path), **options)
         if not isinstance(shards[shard], Mapping):
-            raise CheckpointFormatError(f"{path}: a shard of {index.path} must hold a mapping of tensors, not a {type(shards[shard]).__name__}")
+            raise CheckpointFormatError(
+                f"{path}: a shard of {index.path} must hold a mapping of tensors, not a {type(shards[shard]).__name__}"
+            )
     check_shard_keys(index, {s: list(sd) for s, sd in shards.items()})
     out: OrderedDict[str, Any] = OrderedDict((k, shards[s][k]) for k, s in index.weight_map.items())
     for alias, kept in index.tied().items():

@@ -105,8 +105,12 @@ def renamed_prefixes(before: Sequence[str], after: Sequence[str]) -> tuple[str, 
         same = 0
         while same < min(len(x), len(y)) and x[-1 - same] == y[-1 - same]:
             same += 1
-        changes[(".".join(x[: len(x) - same]) + "." if len(x) > same else "",
-                 ".".join(y[: len(y) - same]) + "." if len(y) > same else "")] += 1  # fmt: skip
+        changes[
+            (
+                ".".join(x[: len(x) - same]) + "." if len(x) > same else "",
+                ".".join(y[: len(y) - same]) + "." if len(y) > same else "",
+            )
+        ] += 1
     if not changes:
         lead = detect_prefixes(before).prefix
         return lead, lead

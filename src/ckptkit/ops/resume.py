@@ -138,9 +138,11 @@ def load_training_state(
         raise ResumeError(f"{source}: has no sampler state, but a sampler was passed to restore")
     weights = fit_to_model(model, ckpt["model"], strict=strict, wrappers=wrappers, source=source)
     shapes = meta.get("shapes", {})
-    states = (_pairs("optimizer", optimizer, ckpt.get("optimizer"), shapes.get("optimizer", "one"), source)
-              + _pairs("scheduler", scheduler, ckpt.get("scheduler"), shapes.get("scheduler", "one"), source)
-              + _pairs("scaler", scaler, ckpt.get("scaler"), "one", source))  # fmt: skip
+    states = (
+        _pairs("optimizer", optimizer, ckpt.get("optimizer"), shapes.get("optimizer", "one"), source)
+        + _pairs("scheduler", scheduler, ckpt.get("scheduler"), shapes.get("scheduler", "one"), source)
+        + _pairs("scaler", scaler, ckpt.get("scaler"), "one", source)
+    )
     named = _named(stateful or {}, ckpt.get("stateful") or {}, strict, wrappers, source)
 
     # -- then change things, RNG last
@@ -174,7 +176,9 @@ def load_training_state(
     return result
 
 
-def _named(objs: Mapping[str, Any], saved: Mapping[str, Any], strict: bool, wrappers: Iterable[str], source: str) -> list[tuple[Any, Any, bool]]:
+def _named(
+    objs: Mapping[str, Any], saved: Mapping[str, Any], strict: bool, wrappers: Iterable[str], source: str
+) -> list[tuple[Any, Any, bool]]:
     """``(object, state to load, is a module)`` for each named object passed; checks only."""
     missing = [name for name in objs if name not in saved]
     if missing:
@@ -183,7 +187,13 @@ def _named(objs: Mapping[str, Any], saved: Mapping[str, Any], strict: bool, wrap
     out = []
     for name, obj in objs.items():
         if is_module(obj):  # adapted to its wrapping, checked like the model
-            out.append((obj, fit_to_model(obj, saved[name], strict=strict, wrappers=wrappers, source=f"{source} [{name}]"), True))
+            out.append(
+                (
+                    obj,
+                    fit_to_model(obj, saved[name], strict=strict, wrappers=wrappers, source=f"{source} [{name}]"),
+                    True,
+                )
+            )
         else:
             out.append((obj, saved[name], False))
     return out

@@ -59,7 +59,9 @@ def resolve_globals(allow: AllowGlobals) -> list[Any]:
                 obj = getattr(obj, part)
         except (ImportError, AttributeError, ValueError) as e:
             option = spell(f"allow_globals=[{item!r}]", f"--allow-global {item}")
-            raise ArgumentError(f"{option}: cannot import {item!r} ({type(e).__name__}: {e}); give module.Name of an importable class") from e
+            raise ArgumentError(
+                f"{option}: cannot import {item!r} ({type(e).__name__}: {e}); give module.Name of an importable class"
+            ) from e
         # torch admits a global under the name the pickle spells; a re-exported name (numpy 1's
         # numpy.core.multiarray._reconstruct, numpy 2's numpy._core...) must keep the caller's spelling.
         out.append(obj if global_name(obj) == item else (obj, item))
@@ -128,13 +130,21 @@ def unsafe_error(
             what = f"it needs {summarize(list(unsafe))}, beyond torch's weights-only allowlist, and even with them allowed "
             what += f"torch's weights-only unpickler cannot build it ({why or 'see torch.load'})"
         else:
-            what = f"torch's weights-only unpickler cannot build it ({why})" if why else "it needs globals outside torch's weights-only allowlist"
+            what = (
+                f"torch's weights-only unpickler cannot build it ({why})"
+                if why
+                else "it needs globals outside torch's weights-only allowlist"
+            )
         return UnsafeCheckpointError(
             f"{source}: refused to load{where}: {what}. Unpickling it could run arbitrary code; if you trust this file, pass {trust}",
             unsafe,
         )
     if beyond is None:
-        beyond = "DCP's own metadata classes (torch reads them with plain pickle)" if plain_pickle else "torch's weights-only allowlist"
+        beyond = (
+            "DCP's own metadata classes (torch reads them with plain pickle)"
+            if plain_pickle
+            else "torch's weights-only allowlist"
+        )
     return UnsafeCheckpointError(
         f"{source}: refused to load{where}: it needs {len(unsafe)} global(s) beyond {beyond}: "
         f"{summarize(list(unsafe))}. Unpickling them could run arbitrary code. If you trust this file, "
@@ -149,13 +159,24 @@ def unsafe_error(
 # names is not all a load needs (numpy.dtype("f8") builds a numpy.dtypes.Float64DType, which torch
 # must admit too). The probe runs these for real, chosen here and never by the file, so the types
 # they build come to light; every other name the file gives is an inert stand-in.
-_VALUE_BUILDERS = frozenset({
-    "numpy.dtype", "numpy.ndarray", "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.random._pickle.__randomstate_ctor",
-    "numpy.random._pickle.__bit_generator_ctor", "numpy.random._pickle.__generator_ctor",
-    "numpy.random._mt19937.MT19937", "numpy.random._pcg64.PCG64", "numpy.random._pcg64.PCG64DXSM",
-    "numpy.random._philox.Philox", "numpy.random._sfc64.SFC64",
-})  # fmt: skip
+_VALUE_BUILDERS = frozenset(
+    {
+        "numpy.dtype",
+        "numpy.ndarray",
+        "numpy.core.multiarray._reconstruct",
+        "numpy._core.multiarray._reconstruct",
+        "numpy.core.multiarray.scalar",
+        "numpy._core.multiarray.scalar",
+        "numpy.random._pickle.__randomstate_ctor",
+        "numpy.random._pickle.__bit_generator_ctor",
+        "numpy.random._pickle.__generator_ctor",
+        "numpy.random._mt19937.MT19937",
+        "numpy.random._pcg64.PCG64",
+        "numpy.random._pcg64.PCG64DXSM",
+        "numpy.random._philox.Philox",
+        "numpy.random._sfc64.SFC64",
+    }
+)
 _BLOCKED = ("sys", "os", "posix", "nt")  # torch refuses their globals even when allowed
 _TRIES = 16  # each try admits at least one more name; a file needing more is told to pass trust
 _GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
@@ -226,7 +247,9 @@ def torch_reason(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def needed_globals(path: str | os.PathLike[str], allow: AllowGlobals = (), *, first_guess: Sequence[str] | None = None) -> Needs:
+def needed_globals(
+    path: str | os.PathLike[str], allow: AllowGlobals = (), *, first_guess: Sequence[str] | None = None
+) -> Needs:
     """The globals a weights-only load of torch file ``path`` needs beyond torch's allowlist and ``allow``.
 
     The static scan is the first guess; then torch's own weights-only unpickler loads the file
@@ -266,7 +289,9 @@ def needed_globals(path: str | os.PathLike[str], allow: AllowGlobals = (), *, fi
             name = _builtin_name(found.group(1))
             if found.re is _BUILT:  # a type a real builder made: admit the real type next time
                 if name in real or name.split(".")[0] not in trusted:  # admitted and still refused, or not ours to run
-                    return Needs(tuple(dict.fromkeys([*names, name])), name not in real, torch_reason(e) if name in real else "")
+                    return Needs(
+                        tuple(dict.fromkeys([*names, name])), name not in real, torch_reason(e) if name in real else ""
+                    )
                 real.add(name)
             elif name in names:
                 return Needs(tuple(names), False, torch_reason(e))

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover
     def _get_allowed_globals() -> dict[str, Any]:
         return {}
 
+
 # torch objects a weights-only load builds besides tensors (by torch's own allowlist, see _allowed)
 _TORCH_PLAIN = (torch.Size, torch.dtype, torch.device, torch.memory_format, torch.layout)
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
@@ -100,11 +101,15 @@ class _Walk:
             self.note(path, "numpy.dtype", "str")
             return str(v)
         if isinstance(v, np.random.RandomState):
-            self.note(path, "numpy.random.RandomState", "its get_state() as plain values (np.random.set_state takes them)")
+            self.note(
+                path, "numpy.random.RandomState", "its get_state() as plain values (np.random.set_state takes them)"
+            )
             return _plain_rng(v.get_state())
         if isinstance(v, np.random.Generator):
             state = v.bit_generator.state
-            self.note(path, "numpy.random.Generator", f"its bit_generator.state ({state['bit_generator']}) as plain values")
+            self.note(
+                path, "numpy.random.Generator", f"its bit_generator.state ({state['bit_generator']}) as plain values"
+            )
             return _plain_rng(state)
         if isinstance(v, argparse.Namespace):
             return self._as_dict(v, vars(v), path, "argparse.Namespace")
@@ -125,11 +130,19 @@ class _Walk:
 
     def _container(self, v: Any, path: str) -> Any:
         if type(v) is tuple and _is_legacy_rng(v):
-            self.note(path, "numpy RNG state (np.random.get_state()'s MT19937 tuple)", "plain values (np.random.set_state takes them)")
+            self.note(
+                path,
+                "numpy RNG state (np.random.get_state()'s MT19937 tuple)",
+                "plain values (np.random.set_state takes them)",
+            )
             return _plain_rng(v)
         if isinstance(v, dict):
             if _is_bit_generator_state(v):
-                self.note(path, f"numpy RNG state ({v['bit_generator']} bit_generator.state)", "plain values (arrays as lists)")
+                self.note(
+                    path,
+                    f"numpy RNG state ({v['bit_generator']} bit_generator.state)",
+                    "plain values (arrays as lists)",
+                )
                 return _plain_rng(v)
             items = [(self.value(k, f"{path}/[key {k!r}]"), self.value(x, _join(path, k))) for k, x in v.items()]
             if all(a is k and b is x for (a, b), (k, x) in zip(items, v.items(), strict=True)):

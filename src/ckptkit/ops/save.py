@@ -119,9 +119,17 @@ def save_training_state(
     """
     save_on_master(
         build_training_state(
-            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
-            epoch=epoch, step=step, extra=extra, stateful=stateful, timeout=timeout,
-        ),  # fmt: skip
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            sampler=sampler,
+            epoch=epoch,
+            step=step,
+            extra=extra,
+            stateful=stateful,
+            timeout=timeout,
+        ),
         path,
         timeout=timeout,
     )

@@ -38,5 +38,7 @@ def cast_tensors(state: Mapping[str, Any], cast: Cast) -> dict[str, Any]:
         if id(v) not in done:
             done[id(v)] = v.detach().to(target)
         out[name] = done[id(v)]
-        cast.record(name, before, id(v), v.nelement() * v.element_size(), out[name].nelement() * out[name].element_size())
+        cast.record(
+            name, before, id(v), v.nelement() * v.element_size(), out[name].nelement() * out[name].element_size()
+        )
     return out

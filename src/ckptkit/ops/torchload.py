@@ -60,7 +60,9 @@ def torch_load(
         target = pinned if os.path.exists(pinned) else source
         try:
             if trust and fmt != LEGACY and _holds_module(source, TorchZip(source, file=f), trust=True, allowed=allowed):
-                return load_pickled_module(target, map_location=map_location, mmap=kwargs.get("mmap", False), trust=True).state
+                return load_pickled_module(
+                    target, map_location=map_location, mmap=kwargs.get("mmap", False), trust=True
+                ).state
             with torch.serialization.safe_globals(allowed) if allowed else contextlib.nullcontext():
                 obj = torch.load(target, **kwargs)
             # A trusted module the inert walk cannot model (state-dict hooks): its own state_dict().
@@ -76,7 +78,9 @@ def torch_load(
                 raise _explain(e, source, target, fmt, f, trust=trust, allowed=allowed) from e
         try:  # a whole pickled module, found safe to read above: its state_dict(), nothing run
             names = [global_name(g) for g in allowed]
-            return load_pickled_module(target, map_location=map_location, mmap=kwargs.get("mmap", False), allow=names).state
+            return load_pickled_module(
+                target, map_location=map_location, mmap=kwargs.get("mmap", False), allow=names
+            ).state
         except (CkptkitError, MemoryError):
             raise
         except Exception as e:
@@ -100,7 +104,9 @@ def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) 
             problems.append(why)
 
     try:
-        mp.read_module(z.read(f"{z.prefix}data.pkl"), trust=trust, allow=[global_name(g) for g in allowed], on_storage=fits)
+        mp.read_module(
+            z.read(f"{z.prefix}data.pkl"), trust=trust, allow=[global_name(g) for g in allowed], on_storage=fits
+        )
         modelled = True
     except mp.Unbounded as e:  # torch's state_dict() would not end either
         raise CheckpointFormatError(f"{source}: pickled module: {e}") from None
@@ -126,7 +132,9 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def _explain(e: Exception, source: str, target: str, fmt: Format, f: BinaryIO, *, trust: bool, allowed: list[Any]) -> CkptkitError:
+def _explain(
+    e: Exception, source: str, target: str, fmt: Format, f: BinaryIO, *, trust: bool, allowed: list[Any]
+) -> CkptkitError:
     text = str(e)
     needs = None
     if isinstance(e, pickle.UnpicklingError) and not trust:
@@ -164,7 +172,9 @@ def _explain(e: Exception, source: str, target: str, fmt: Format, f: BinaryIO, *
         if needs is not None and not needs.loads and _crcs_match(source, f):
             damage = []  # ckptkit's inert walk cannot follow it (a filled defaultdict); torch said why it stops
     if damage:
-        return CheckpointFormatError(f"{source}: damaged torch zip checkpoint: {summarize(damage, 2)} (torch: {_reason(e)})")
+        return CheckpointFormatError(
+            f"{source}: damaged torch zip checkpoint: {summarize(damage, 2)} (torch: {_reason(e)})"
+        )
     if needs is not None and not needs.loads:  # intact, every global admitted, and still beyond weights-only
         return unsafe_error(source, (), why=needs.why)
     return CheckpointFormatError(

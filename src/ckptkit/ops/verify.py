@@ -85,7 +85,14 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         checks = [c.to_dict() for c in self.checks]
-        return {"path": self.path, "format": self.format, "ok": self.ok, "intact": self.intact, "checks": checks, "notes": self.notes}
+        return {
+            "path": self.path,
+            "format": self.format,
+            "ok": self.ok,
+            "intact": self.intact,
+            "checks": checks,
+            "notes": self.notes,
+        }
 
 
 def verify_checkpoint(
@@ -120,7 +127,9 @@ def verify_checkpoint(
         report.checks.append(Check("format", "integrity", False, str(e)))
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
-    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: dcp_checks, HF: _hf, DEEPSPEED: _deepspeed}[report.format]
+    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: dcp_checks, HF: _hf, DEEPSPEED: _deepspeed}[
+        report.format
+    ]
     total = checkpoint_bytes(p, report.format)
     report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
@@ -152,7 +161,9 @@ def _globals_safe(p: Path) -> Check:
     unsafe = list(needs.names)
     detail = f"pickle {needs_text(unsafe)}" if unsafe else "only weights-only globals"
     if not needs.loads:  # allowing globals is not enough: only trust is advised
-        detail = f"{unsafe_error(p.name, unsafe, loads=False, why=needs.why)}".removeprefix(f"{p.name}: refused to load: ")
+        detail = f"{unsafe_error(p.name, unsafe, loads=False, why=needs.why)}".removeprefix(
+            f"{p.name}: refused to load: "
+        )
     return Check("safe to load", "safety", needs.loads and not unsafe, detail, tuple(unsafe))
 
 
@@ -189,7 +200,9 @@ def _legacy(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     if checks[0].ok and full:
         checks.append(_torch_loads(p, LEGACY))
     if full:
-        checks.append(Check("checksums", "integrity", True, "the legacy format stores none; convert to torch zip to get CRC-32s"))
+        checks.append(
+            Check("checksums", "integrity", True, "the legacy format stores none; convert to torch zip to get CRC-32s")
+        )
     return checks
 
 
@@ -219,5 +232,8 @@ def _hf(p: Path, full: bool, progress: Progress | None) -> list[Check]:
         return [*checks, Check(name, "integrity", True, f"not compared without torch ({e})")]
     except CheckpointFormatError as e:  # the pickle stand-ins' UnsupportedGlobal included
         ok = isinstance(e, UnsupportedGlobal)
-        return [*checks, Check(name, "integrity", ok, "not compared: a shard needs torch to list its tensors" if ok else str(e))]
+        return [
+            *checks,
+            Check(name, "integrity", ok, "not compared: a shard needs torch to list its tensors" if ok else str(e)),
+        ]
     return [*checks, Check(name, "integrity", True, "each shard holds exactly the tensors the index puts in it")]

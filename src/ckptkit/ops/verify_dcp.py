@@ -97,5 +97,7 @@ def _entries(p: Path, meta: Any) -> list[Check]:
     detail = f"{summarize(list(unsafe), 3)}: {needs_text(needs)}" if unsafe else "weights-only globals"
     checks = [Check("non-tensor entries safe to load", "safety", not unsafe, detail, needs)]
     if unreadable:
-        checks.append(Check("non-tensor entries readable", "integrity", False, f"damaged pickles: {summarize(unreadable)}"))
+        checks.append(
+            Check("non-tensor entries readable", "integrity", False, f"damaged pickles: {summarize(unreadable)}")
+        )
     return checks

@@ -25,8 +25,13 @@ from ..io.upload import staged_write
 
 # .tar: torchvision's ImageNet example saves "model_best.pth.tar", a plain torch file.
 SUFFIX_FORMATS: dict[str, Format] = {
-    ".pt": ZIP, ".pth": ZIP, ".bin": ZIP, ".ckpt": ZIP, ".tar": ZIP, ".safetensors": SAFETENSORS,
-}  # fmt: skip
+    ".pt": ZIP,
+    ".pth": ZIP,
+    ".bin": ZIP,
+    ".ckpt": ZIP,
+    ".tar": ZIP,
+    ".safetensors": SAFETENSORS,
+}
 
 
 def format_for(path: str | os.PathLike[str], *, default: Format | None = ZIP) -> Format:
@@ -38,7 +43,9 @@ def format_for(path: str | os.PathLike[str], *, default: Format | None = ZIP) ->
     suffix = Path(path).suffix.lower()
     fmt = SUFFIX_FORMATS.get(suffix, default)
     if fmt is None:
-        raise ArgumentError(f"{path}: unknown output suffix {suffix or '(none)'!r}; use one of {', '.join(SUFFIX_FORMATS)}")
+        raise ArgumentError(
+            f"{path}: unknown output suffix {suffix or '(none)'!r}; use one of {', '.join(SUFFIX_FORMATS)}"
+        )
     return fmt
 
 

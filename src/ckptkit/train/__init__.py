@@ -30,10 +30,18 @@ from .loop import train
 from .task import default_data, default_model
 
 __all__ = [
-    "TrainConfig", "build_parser", "check", "check_environment", "default_data", "default_model", "log_folder", "main",
-    "parse_args", "run_path",
+    "TrainConfig",
+    "build_parser",
+    "check",
+    "check_environment",
+    "default_data",
+    "default_model",
+    "log_folder",
+    "main",
+    "parse_args",
+    "run_path",
     "train",
-]  # fmt: skip
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,8 +32,12 @@ def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, 
 class TrainConfig:
     """Options of the reference trainer; each is also a flag (``max_steps`` is ``--max-steps``)."""
 
-    out: str = _option("runs/ckptkit-demo", "folder (or s3:// URL) for checkpoints/, metrics.jsonl and the final model.safetensors")
-    log_dir: str = _option("", "local folder for metrics.jsonl; needed when OUT is a URL (object stores cannot append)", shown="OUT")
+    out: str = _option(
+        "runs/ckptkit-demo", "folder (or s3:// URL) for checkpoints/, metrics.jsonl and the final model.safetensors"
+    )
+    log_dir: str = _option(
+        "", "local folder for metrics.jsonl; needed when OUT is a URL (object stores cannot append)", shown="OUT"
+    )
     epochs: int = _option(3, "passes over the training set (a finished run trains on when given more)")
     max_steps: int = _option(0, "stop after this many optimizer steps (0: run all epochs)")
     batch_size: int = _option(64, "samples per process per micro-batch")
@@ -42,7 +46,9 @@ class TrainConfig:
     weight_decay: float = _option(0.01, "AdamW weight decay")
     warmup_steps: int = _option(20, "learning-rate warmup steps")
     seed: int = _option(0, "same seed and options give the same run")
-    save_every: int = _option(50, "optimizer steps between checkpoints (one is also saved at each epoch end; 0: only those)")
+    save_every: int = _option(
+        50, "optimizer steps between checkpoints (one is also saved at each epoch end; 0: only those)"
+    )
     keep: int = _option(3, "checkpoints kept in OUT/checkpoints")
     resume: str = _option("auto", "auto (newest intact checkpoint in OUT), none, or a checkpoint path")
     async_save: bool = _option(False, "write checkpoints in the background; training waits only for the host copy")
@@ -52,8 +58,11 @@ class TrainConfig:
     sync_bn: bool = _option(False, "convert BatchNorm to SyncBatchNorm (CUDA only)")
     num_workers: int = _option(0, "DataLoader worker processes")
     log_every: int = _option(10, "optimizer steps between log lines")
-    requeue_signal: str = _option("USR1", "in a SLURM job, the signal that saves and requeues it (#SBATCH --signal=B:USR1@90)",
-                                  choices=("USR1", "TERM", "HUP"))  # fmt: skip
+    requeue_signal: str = _option(
+        "USR1",
+        "in a SLURM job, the signal that saves and requeues it (#SBATCH --signal=B:USR1@90)",
+        choices=("USR1", "TERM", "HUP"),
+    )
     max_requeues: int = _option(-1, "requeue a SLURM job at most this many times in all (-1: no limit)")
     model: str = _option("", "pkg.module:factory returning your nn.Module", shown="the built-in MLP")
     data: str = _option("", "pkg.module:factory returning (train_dataset, val_dataset)", shown="the built-in task")
@@ -79,8 +88,18 @@ def flags_spelled() -> Iterator[None]:
 
 
 # (field, smallest allowed value)
-_AT_LEAST = {"epochs": 0, "max_steps": 0, "batch_size": 1, "accum": 1, "warmup_steps": 0, "save_every": 0, "keep": 1,
-             "num_workers": 0, "log_every": 1, "max_requeues": -1}  # fmt: skip
+_AT_LEAST = {
+    "epochs": 0,
+    "max_steps": 0,
+    "batch_size": 1,
+    "accum": 1,
+    "warmup_steps": 0,
+    "save_every": 0,
+    "keep": 1,
+    "num_workers": 0,
+    "log_every": 1,
+    "max_requeues": -1,
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,8 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         kind = {"int": int, "float": float}.get(str(f.type), str)
         shown = meta["shown"] or repr(default)
         among = f"{', '.join(meta['choices'])}; " if meta["choices"] else ""
-        parser.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), choices=meta["choices"],
-                            help=f"{among}{meta['help']} (default: {shown})")  # fmt: skip
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            metavar=f.name.upper(),
+            choices=meta["choices"],
+            help=f"{among}{meta['help']} (default: {shown})",
+        )
     return parser
 
 
@@ -132,8 +157,10 @@ def check(cfg: TrainConfig) -> None:
         raise ArgumentError(f"argument --lr: must be positive, got {cfg.lr}")
     if remote(cfg.out) and not cfg.log_dir:
         name = cfg.out.rstrip("/").rsplit("/", 1)[-1] or "run"
-        raise ArgumentError(f"argument --out {cfg.out}: an object store cannot append to metrics.jsonl; also pass a local "
-                            f"folder for the log, e.g. --log-dir runs/{name}")  # fmt: skip
+        raise ArgumentError(
+            f"argument --out {cfg.out}: an object store cannot append to metrics.jsonl; also pass a local "
+            f"folder for the log, e.g. --log-dir runs/{name}"
+        )
 
 
 def remote(path: str) -> bool:
@@ -160,7 +187,9 @@ def check_environment(cfg: TrainConfig) -> None:
         ArgumentError: ``--sync-bn`` or ``--backend nccl`` without CUDA.
     """
     if cfg.resume not in ("auto", "none") and not remote(cfg.resume) and not os.path.exists(cfg.resume):
-        raise CheckpointNotFoundError(f"--resume {cfg.resume}: no such checkpoint (auto picks the newest in --out)", filename=cfg.resume)
+        raise CheckpointNotFoundError(
+            f"--resume {cfg.resume}: no such checkpoint (auto picks the newest in --out)", filename=cfg.resume
+        )
     for flag, spec in (("--model", cfg.model), ("--data", cfg.data)):
         if spec:
             resolve(spec, flag)
@@ -169,7 +198,9 @@ def check_environment(cfg: TrainConfig) -> None:
 
         if not torch.cuda.is_available():
             what = "--sync-bn" if cfg.sync_bn else "--backend nccl" if cfg.backend == "nccl" else "--device cuda"
-            raise ArgumentError(f"{what} needs CUDA, and this machine has none (torch's SyncBatchNorm and nccl run on GPUs only)")
+            raise ArgumentError(
+                f"{what} needs CUDA, and this machine has none (torch's SyncBatchNorm and nccl run on GPUs only)"
+            )
 
 
 def resolve(spec: str, flag: str) -> Any:
@@ -185,4 +216,6 @@ def resolve(spec: str, flag: str) -> Any:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ClassNotFoundError(f"{flag} {spec}: cannot import it ({type(e).__name__}: {e}); is the package on PYTHONPATH?") from e
+        raise ClassNotFoundError(
+            f"{flag} {spec}: cannot import it ({type(e).__name__}: {e}); is the package on PYTHONPATH?"
+        ) from e

@@ -26,8 +26,13 @@ class Logger:
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-            self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                TimeRemainingColumn(), transient=True)  # fmt: skip
+            self.bar = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                transient=True,
+            )
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.file is not None:

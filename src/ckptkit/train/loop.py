@@ -47,17 +47,27 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
     log = Logger(log_folder(cfg) / "metrics.jsonl", enabled=env.master, progress=env.master and sys.stdout.isatty())
     run = _build(cfg, env, model, data)
     resumed = _resume(cfg, env, run)
-    log.event("start", world_size=env.world, backend=env.backend, device=str(env.device),
-              planned_steps=run.schedule.horizon, config=asdict(cfg))  # fmt: skip
+    log.event(
+        "start",
+        world_size=env.world,
+        backend=env.backend,
+        device=str(env.device),
+        planned_steps=run.schedule.horizon,
+        config=asdict(cfg),
+    )
     if resumed is not None:  # after [start]: the run, then where it continues from, then what to do about it
         log.event("resumed", **resumed)
         if run.schedule.horizon <= run.step:
-            log.note(f"this run already finished ({cfg.epochs} epochs, step {run.step}); pass --epochs N with N > {cfg.epochs} "
-                     f"to train on from here, or --out NEW to start another")  # fmt: skip
+            log.note(
+                f"this run already finished ({cfg.epochs} epochs, step {run.step}); pass --epochs N with N > {cfg.epochs} "
+                f"to train on from here, or --out NEW to start another"
+            )
     log.start_bar(total=run.schedule.horizon, done=run.step)
     # A signal on any rank: every rank stops at the same step. The requeue signal too: SLURM sends
     # it (#SBATCH --signal) before the time limit, and its default action would end the process.
-    stop = ckptkit.StopSignal(tuple(dict.fromkeys((signal.SIGTERM, signal.SIGINT, signal.SIGHUP, requeue_signal(cfg.requeue_signal)))))
+    stop = ckptkit.StopSignal(
+        tuple(dict.fromkeys((signal.SIGTERM, signal.SIGINT, signal.SIGHUP, requeue_signal(cfg.requeue_signal))))
+    )
     saver = ckptkit.AsyncSaver() if cfg.async_save else None
     run.tick = time.perf_counter()
     val_acc = _evaluate(env, run, log) if run.step == 0 else math.nan  # the untrained baseline
@@ -79,8 +89,14 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
         with term_ignored():  # SLURM's SIGTERM to a requeued job must not cut the line that says so
             outcome = requeue(stopped_by, signal_name=cfg.requeue_signal, max_requeues=cfg.max_requeues)  # type: ignore[arg-type]
             if outcome is not None:
-                log.event("requeue", requeued=outcome.requeued, job=outcome.job, requeues=outcome.requeues, message=outcome.line,
-                          line=outcome.line)  # fmt: skip
+                log.event(
+                    "requeue",
+                    requeued=outcome.requeued,
+                    job=outcome.job,
+                    requeues=outcome.requeues,
+                    message=outcome.line,
+                    line=outcome.line,
+                )
     log.close()
     return result
 
@@ -123,7 +139,9 @@ def _build(cfg: TrainConfig, env: Env, model: Any, data: tuple[Any, Any] | None)
     # Seeds: one model initialisation everywhere, then one RNG stream per rank (dropout).
     torch.manual_seed(cfg.seed)
     model = model if model is not None else (factory(cfg.model, "--model") if cfg.model else default_model())
-    train_set, val_set = data if data is not None else (factory(cfg.data, "--data") if cfg.data else default_data(cfg.seed))
+    train_set, val_set = (
+        data if data is not None else (factory(cfg.data, "--data") if cfg.data else default_data(cfg.seed))
+    )
     seed_generators(cfg.seed + 1000 * env.rank)
 
     # Every rank a disjoint shard; the sampler knows its position within the epoch. The loader
@@ -131,10 +149,21 @@ def _build(cfg: TrainConfig, env: Env, model: Any, data: tuple[Any, Any] | None)
     sampler = ckptkit.ResumableDistributedSampler(train_set, shuffle=True, seed=cfg.seed)
     loader_gen = torch.Generator()
     pin = env.device.type == "cuda"
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                        generator=loader_gen, pin_memory=pin)  # fmt: skip
-    val_loader = DataLoader(val_set, batch_size=256, generator=torch.Generator(), pin_memory=pin,
-                            sampler=DistributedSampler(val_set, shuffle=False) if env.distributed else None)  # fmt: skip
+    loader = DataLoader(
+        train_set,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        generator=loader_gen,
+        pin_memory=pin,
+    )
+    val_loader = DataLoader(
+        val_set,
+        batch_size=256,
+        generator=torch.Generator(),
+        pin_memory=pin,
+        sampler=DistributedSampler(val_set, shuffle=False) if env.distributed else None,
+    )
 
     model.to(env.device)
     if cfg.sync_bn and env.distributed:
@@ -146,8 +175,20 @@ def _build(cfg: TrainConfig, env: Env, model: Any, data: tuple[Any, Any] | None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
     ckpts = ckptkit.CheckpointFolder(run_path(cfg, "checkpoints"), keep=cfg.keep)
-    return _Run(net, opt, sched, schedule, scaler, amp_dtype, sampler, loader, loader_gen, val_loader, ckpts,
-                loss_sum=torch.zeros((), device=env.device))  # fmt: skip
+    return _Run(
+        net,
+        opt,
+        sched,
+        schedule,
+        scaler,
+        amp_dtype,
+        sampler,
+        loader,
+        loader_gen,
+        val_loader,
+        ckpts,
+        loss_sum=torch.zeros((), device=env.device),
+    )
 
 
 # -- 3. resume: rank 0 picks the newest intact checkpoint (every CRC checked), every rank loads it ---
@@ -159,16 +200,24 @@ def _resume(cfg: TrainConfig, env: Env, run: _Run) -> dict[str, Any] | None:
     if path is None:
         return None
     try:
-        state = ckptkit.load_training_state(path, model=run.net, optimizer=run.opt, scheduler=run.sched,
-                                            scaler=run.scaler, sampler=run.sampler)  # fmt: skip
+        state = ckptkit.load_training_state(
+            path, model=run.net, optimizer=run.opt, scheduler=run.sched, scaler=run.scaler, sampler=run.sampler
+        )
     except StateDictMismatchError as e:  # another run's checkpoint, or the model changed since
         raise _not_this_model(cfg, path, e) from e
     run.step, run.epoch, run.last_saved = state.step, state.epoch, state.step
     n = len(run.sampler.dataset)
     run.schedule.horizon = planned_steps(cfg, n, env.world, run.step, run.epoch, run.sampler.position)
     moved = f"; saved by {state.world_size} process(es), now {env.world}" if state.world_size != env.world else ""
-    return dict(step=run.step, epoch=run.epoch, path=str(path), sample=run.sampler.position, saved_world_size=state.world_size,
-                world_size=env.world, line=f"resumed from step {run.step} (checkpoint {path}){moved}")  # fmt: skip
+    return dict(
+        step=run.step,
+        epoch=run.epoch,
+        path=str(path),
+        sample=run.sampler.position,
+        saved_world_size=state.world_size,
+        world_size=env.world,
+        line=f"resumed from step {run.step} (checkpoint {path}){moved}",
+    )
 
 
 def _not_this_model(cfg: TrainConfig, path: Path | str, e: StateDictMismatchError) -> StateDictMismatchError:
@@ -178,12 +227,19 @@ def _not_this_model(cfg: TrainConfig, path: Path | str, e: StateDictMismatchErro
     parts += [f"{len(e.unexpected)} unexpected key(s) ({summarize(e.unexpected)})"] * bool(e.unexpected)
     parts += [f"{len(shapes)} shape mismatch(es) ({summarize(shapes, 4)})"] * bool(shapes)
     auto, fresh = spelled("resume='auto'", "--resume auto"), spelled("TrainConfig(resume='none')", "--resume none")
-    came = f", the newest checkpoint in {run_path(cfg, 'checkpoints')}, which {auto} (the default) picked" if cfg.resume == "auto" else ""
+    came = (
+        f", the newest checkpoint in {run_path(cfg, 'checkpoints')}, which {auto} (the default) picked"
+        if cfg.resume == "auto"
+        else ""
+    )
     return StateDictMismatchError(
         f"cannot resume from {path}{came}: it does not fit this model: {'; '.join(parts)}. It is another run's, or the "
         f"model changed since: to start fresh, pass {fresh} or {spelled('another out', 'another --out')}; to continue "
         "it, use the model that saved it",
-        missing=e.missing, unexpected=e.unexpected, mismatched=e.mismatched)  # fmt: skip
+        missing=e.missing,
+        unexpected=e.unexpected,
+        mismatched=e.mismatched,
+    )
 
 
 # -- 4. one epoch: optimizer steps of --accum micro-batches; log, maybe stop, maybe save ------------
@@ -233,15 +289,28 @@ def _save(cfg: TrainConfig, run: _Run, log: Logger, saver: Any, reason: str) -> 
         return
     started = time.perf_counter()
     path = run.ckpts.path_for(run.step)
-    parts: dict[str, Any] = dict(model=run.net, optimizer=run.opt, scheduler=run.sched, scaler=run.scaler,
-                                 sampler=run.sampler, epoch=run.epoch, step=run.step)  # fmt: skip
+    parts: dict[str, Any] = dict(
+        model=run.net,
+        optimizer=run.opt,
+        scheduler=run.sched,
+        scaler=run.scaler,
+        sampler=run.sampler,
+        epoch=run.epoch,
+        step=run.step,
+    )
     if saver is not None:
         saver.save_training_state(path, on_done=functools.partial(run.ckpts.commit, path), **parts)
     else:
         ckptkit.save_training_state(path, **parts)
         run.ckpts.commit(path)
     run.last_saved = run.step
-    log.event("save", step=run.step, reason=reason, blocking_s=round(time.perf_counter() - started, 6), async_save=saver is not None)
+    log.event(
+        "save",
+        step=run.step,
+        reason=reason,
+        blocking_s=round(time.perf_counter() - started, 6),
+        async_save=saver is not None,
+    )
 
 
 def _log_train(env: Env, run: _Run, log: Logger) -> None:
@@ -254,7 +323,9 @@ def _log_train(env: Env, run: _Run, log: Logger) -> None:
     now = time.perf_counter()
     loss = (totals[0] / totals[1].clamp(min=1)).item()
     rate = totals[1].item() / max(now - run.tick, 1e-9)
-    log.metric(step=run.step, epoch=run.epoch, loss=round(loss, 6), lr=run.sched.get_last_lr()[0], samples_per_s=round(rate, 1))
+    log.metric(
+        step=run.step, epoch=run.epoch, loss=round(loss, 6), lr=run.sched.get_last_lr()[0], samples_per_s=round(rate, 1)
+    )
     run.loss_sum.zero_()
     run.seen, run.tick = 0, now
 
@@ -271,8 +342,13 @@ def _evaluate(env: Env, run: _Run, log: Logger) -> float:
         for x, y in run.val_loader:
             x, y = x.to(env.device), y.to(env.device)
             logits = run.net(x)
-            totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum(),
-                                   torch.tensor(len(y), device=env.device)])  # fmt: skip
+            totals += torch.stack(
+                [
+                    F.cross_entropy(logits, y, reduction="sum"),
+                    (logits.argmax(1) == y).sum(),
+                    torch.tensor(len(y), device=env.device),
+                ]
+            )
     if env.distributed:
         dist.all_reduce(totals)
     acc = (totals[1] / totals[2]).item()
@@ -283,7 +359,9 @@ def _evaluate(env: Env, run: _Run, log: Logger) -> float:
 # -- 5. the end: the last checkpoint, then the plain single-device weights --------------------------
 
 
-def _finish(cfg: TrainConfig, env: Env, run: _Run, log: Logger, stop: Any, saver: Any, status: str, val_acc: float) -> dict[str, Any]:
+def _finish(
+    cfg: TrainConfig, env: Env, run: _Run, log: Logger, stop: Any, saver: Any, status: str, val_acc: float
+) -> dict[str, Any]:
     # Cut by --max-steps mid-epoch, or resumed with nothing left to do: evaluate what we have.
     if status == "done" and (run.sampler.position not in (0, len(run.sampler.dataset)) or math.isnan(val_acc)):
         val_acc = _evaluate(env, run, log)
@@ -294,5 +372,7 @@ def _finish(cfg: TrainConfig, env: Env, run: _Run, log: Logger, stop: Any, saver
         ckptkit.save_on_master(ckptkit.unwrap_model(run.net).state_dict(), run_path(cfg, "model.safetensors"))
     stop.restore()
     # A preempted run's last evaluation is from before the stop: not the model it saved.
-    log.event("end", status=status, step=run.step, epoch=run.epoch, **({"val_acc": val_acc} if status == "done" else {}))
+    log.event(
+        "end", status=status, step=run.step, epoch=run.epoch, **({"val_acc": val_acc} if status == "done" else {})
+    )
     return {"status": status, "step": run.step, "epoch": run.epoch, "val_acc": val_acc}

@@ -71,8 +71,9 @@ def start_processes(cfg: TrainConfig) -> Env:
         # with torch 2.13 under --max-restarts; cf. pytorch/pytorch#167288).
         store, env_rank, env_world = next(dist.rendezvous("env://"))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"ckptkit/attempt_{attempt}", store),
-                                rank=env_rank, world_size=env_world)  # fmt: skip
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"ckptkit/attempt_{attempt}", store), rank=env_rank, world_size=env_world
+        )
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if rank == 0:
         log_folder(cfg).mkdir(parents=True, exist_ok=True)  # checkpoints/: CheckpointFolder's (a URL has no folders)

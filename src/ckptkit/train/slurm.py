@@ -89,7 +89,9 @@ def port_for_job(job_id: str) -> int:
     return PORT_BASE + int(job_id) % PORT_SPAN
 
 
-def torch_env(environ: Mapping[str, str], *, hostnames: Callable[[str], list[str]] = scontrol_hostnames) -> dict[str, str]:
+def torch_env(
+    environ: Mapping[str, str], *, hostnames: Callable[[str], list[str]] = scontrol_hostnames
+) -> dict[str, str]:
     """What to add to the environment so that an srun task joins the group as torchrun's would.
 
     Empty under torchrun (``WORLD_SIZE`` or ``RANK`` set), outside an srun step (no
@@ -111,9 +113,14 @@ def torch_env(environ: Mapping[str, str], *, hostnames: Callable[[str], list[str
         env["MASTER_ADDR"] = environ.get("MASTER_ADDR") or hostnames(environ["SLURM_JOB_NODELIST"])[0]
         env["MASTER_PORT"] = environ.get("MASTER_PORT") or str(port_for_job(environ["SLURM_JOB_ID"]))
     except (KeyError, ValueError, IndexError) as e:
-        found = {k: environ.get(k) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")}
-        raise DistributedError(f"srun task: cannot tell its rank from {found} ({type(e).__name__}: {e}); run it with srun in a "
-                         "job, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself") from e  # fmt: skip
+        found = {
+            k: environ.get(k)
+            for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
+        }
+        raise DistributedError(
+            f"srun task: cannot tell its rank from {found} ({type(e).__name__}: {e}); run it with srun in a "
+            "job, or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself"
+        ) from e
     return env
 
 
@@ -149,8 +156,13 @@ class Outcome:
     line: str
 
 
-def requeue(stopped_by: tuple[int, ...], *, signal_name: RequeueSignal, max_requeues: int,
-            environ: Mapping[str, str] = os.environ) -> Outcome | None:  # fmt: skip
+def requeue(
+    stopped_by: tuple[int, ...],
+    *,
+    signal_name: RequeueSignal,
+    max_requeues: int,
+    environ: Mapping[str, str] = os.environ,
+) -> Outcome | None:
     """Requeue this SLURM job if the requeue signal stopped it; call on rank 0 once every rank saved.
 
     SLURM ends the job's processes right after ``scontrol requeue``: call it last. None outside
@@ -170,17 +182,41 @@ def requeue(stopped_by: tuple[int, ...], *, signal_name: RequeueSignal, max_requ
     job, done = environ.get("SLURM_JOB_ID"), restarts(environ)
     if sig not in stopped_by:
         got = ", ".join(signal.Signals(s).name for s in stopped_by)
-        return None if job is None else Outcome(False, job, done, f"not requeued: {got} stopped job {job}, not {sig.name} "
-                                                "(--requeue-signal): it ends here (scancel, or the time limit without #SBATCH --signal)")  # fmt: skip
+        return (
+            None
+            if job is None
+            else Outcome(
+                False,
+                job,
+                done,
+                f"not requeued: {got} stopped job {job}, not {sig.name} "
+                "(--requeue-signal): it ends here (scancel, or the time limit without #SBATCH --signal)",
+            )
+        )
     if job is None:
-        return Outcome(False, None, 0, f"not requeued: {sig.name} stopped the run, but this is no SLURM job (SLURM_JOB_ID is unset)")
+        return Outcome(
+            False,
+            None,
+            0,
+            f"not requeued: {sig.name} stopped the run, but this is no SLURM job (SLURM_JOB_ID is unset)",
+        )
     again = "submit it again to train on from here"
     if 0 <= max_requeues <= done:
-        return Outcome(False, job, done, f"not requeued: job {job} was requeued {done} time(s) already (--max-requeues {max_requeues}); {again}")
+        return Outcome(
+            False,
+            job,
+            done,
+            f"not requeued: job {job} was requeued {done} time(s) already (--max-requeues {max_requeues}); {again}",
+        )
     shown = _scontrol("show", "job", job)
     if shown.returncode == 0 and re.search(r"\bRequeue=0\b", shown.stdout):
-        return Outcome(False, job, done, f"not requeued: job {job} was submitted without --requeue (scontrol show job {job}: Requeue=0); "
-                                         f"submit it with sbatch --requeue, or {again}")  # fmt: skip
+        return Outcome(
+            False,
+            job,
+            done,
+            f"not requeued: job {job} was submitted without --requeue (scontrol show job {job}: Requeue=0); "
+            f"submit it with sbatch --requeue, or {again}",
+        )
     asked = _scontrol("requeue", job)
     if asked.returncode != 0:
         why = (asked.stderr or asked.stdout).strip().splitlines()[-1:] or [f"exit status {asked.returncode}"]
@@ -193,7 +229,9 @@ def _scontrol(*args: str) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
-        return subprocess.CompletedProcess(["scontrol", *args], 127, "", f"cannot run scontrol ({type(e).__name__}: {e})")
+        return subprocess.CompletedProcess(
+            ["scontrol", *args], 127, "", f"cannot run scontrol ({type(e).__name__}: {e})"
+        )
 
 
 @contextlib.contextmanager

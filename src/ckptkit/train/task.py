@@ -10,7 +10,9 @@ from typing import Any
 from .config import resolve
 
 
-def default_data(seed: int = 0, n_train: int = 8192, n_val: int = 2048, dim: int = 32, classes: int = 10) -> tuple[Any, Any]:
+def default_data(
+    seed: int = 0, n_train: int = 8192, n_val: int = 2048, dim: int = 32, classes: int = 10
+) -> tuple[Any, Any]:
     """Points labelled by a fixed random teacher network: learnable, not trivial."""
     import torch
     from torch.utils.data import TensorDataset
@@ -27,9 +29,15 @@ def default_model(dim: int = 32, hidden: int = 128, classes: int = 10) -> Any:
     import torch.nn as nn
 
     return nn.Sequential(
-        nn.Linear(dim, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, classes),
-    )  # fmt: skip
+        nn.Linear(dim, hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(hidden, classes),
+    )
 
 
 def factory(spec: str, flag: str) -> Any:

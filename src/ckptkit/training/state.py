@@ -57,13 +57,27 @@ def build_training_state(*, timeout: float = _dist.DEFAULT_TIMEOUT_S, **parts: A
     """The training-state dict on rank 0 (None elsewhere). Must be called on all ranks (RNG gather)."""
     import torch
 
-    unknown = set(parts) - {"model", "optimizer", "scheduler", "scaler", "sampler", "epoch", "step", "extra", "stateful"}
+    unknown = set(parts) - {
+        "model",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "sampler",
+        "epoch",
+        "step",
+        "extra",
+        "stateful",
+    }
     if unknown or "model" not in parts:
         raise ArgumentError(
             f"training state takes model= and optimizer/scheduler/scaler/sampler/epoch/step/extra/stateful, not {sorted(unknown)}"
         )
     stateful = dict(parts.get("stateful") or {})
-    bad = [f"{k} ({type(v).__name__})" for k, v in stateful.items() if not (isinstance(k, str) and hasattr(v, "state_dict"))]
+    bad = [
+        f"{k} ({type(v).__name__})"
+        for k, v in stateful.items()
+        if not (isinstance(k, str) and hasattr(v, "state_dict"))
+    ]
     if bad:
         raise ArgumentError(f"stateful= maps names to objects with state_dict(); these are not: {', '.join(bad)}")
     model, optimizer, scheduler = parts["model"], parts.get("optimizer"), parts.get("scheduler")
@@ -89,6 +103,8 @@ def build_training_state(*, timeout: float = _dist.DEFAULT_TIMEOUT_S, **parts: A
             "step": int(parts.get("step", 0)),
             "rng": rng,
             "extra": dict(extra or {}),
-            "stateful": {k: unwrap_model(v).state_dict() if is_module(v) else v.state_dict() for k, v in stateful.items()},
+            "stateful": {
+                k: unwrap_model(v).state_dict() if is_module(v) else v.state_dict() for k, v in stateful.items()
+            },
         }
     return state

@@ -19,15 +19,36 @@ from ..pickles.scan import pickle_globals
 # qualname "os.system" in torch.distributed.checkpoint.metadata is os.system), so a prefix
 # match would admit anything those modules import.
 _DCP_CLASSES = frozenset(
-    [f"torch.distributed.checkpoint.metadata.{c}" for c in ("BytesStorageMetadata", "ChunkStorageMetadata", "Metadata",
-     "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")]
+    [
+        f"torch.distributed.checkpoint.metadata.{c}"
+        for c in (
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ]
     + ["torch.distributed.checkpoint.filesystem._StorageInfo"]
-)  # fmt: skip
+)
 _OTHER_SAFE = frozenset(
-    {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict", "builtins.set", "builtins.frozenset",
-     "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.WindowsPath", "pathlib.PureWindowsPath",
-     "torch.strided", "torch.contiguous_format"}
-)  # fmt: skip
+    {
+        "torch.Size",
+        "torch.serialization._get_layout",
+        "collections.OrderedDict",
+        "builtins.set",
+        "builtins.frozenset",
+        "pathlib.PosixPath",
+        "pathlib.PurePosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PureWindowsPath",
+        "torch.strided",
+        "torch.contiguous_format",
+    }
+)
 
 
 def is_dcp_class(name: str) -> bool:

@@ -184,7 +184,9 @@ def _entry(fqn: str, md: Any, stored: dict[tuple[str, tuple[int, ...]], Stored])
 def _find(stored: dict[tuple[str, tuple[int, ...]], Stored], fqn: str, offsets: tuple[int, ...]) -> Stored:
     where = stored.get((fqn, offsets))
     if where is None:
-        raise CheckpointFormatError(f".metadata lists {fqn} (chunk at {list(offsets)}) but not where its bytes are stored")
+        raise CheckpointFormatError(
+            f".metadata lists {fqn} (chunk at {list(offsets)}) but not where its bytes are stored"
+        )
     return where
 
 
@@ -219,8 +221,10 @@ def _path(value: Any, entries: int) -> list[str | int]:
         raise NeedsTorch(f".metadata's planner_data holds {value!r:.60}, not a key path")
     bad = [p for p in value if isinstance(p, int) and not 0 <= p < entries]
     if bad:
-        raise CheckpointFormatError(f".metadata's planner_data path {list(value)!r:.80} has list index {bad[0]}, "
-                                    f"beyond the folder's {entries} entries")  # fmt: skip
+        raise CheckpointFormatError(
+            f".metadata's planner_data path {list(value)!r:.80} has list index {bad[0]}, "
+            f"beyond the folder's {entries} entries"
+        )
     return list(value)
 
 
@@ -249,7 +253,9 @@ def chunks_in_order(folder: Path, e: TensorEntry) -> list[Chunk]:
     rank = len(e.shape)
     for c in e.chunks:
         if len(c.offsets) != rank or len(c.sizes) != rank:
-            raise CheckpointFormatError(f"{folder}: a chunk of tensor {e.fqn} has {len(c.sizes)} dims, the tensor {rank}")
+            raise CheckpointFormatError(
+                f"{folder}: a chunk of tensor {e.fqn} has {len(c.sizes)} dims, the tensor {rank}"
+            )
         split = [d for d in range(1, rank) if c.offsets[d] != 0 or c.sizes[d] != e.shape[d]]
         if split:
             raise NeedsTorch(f"tensor {e.fqn} is split along dim {split[0]}")
@@ -261,7 +267,11 @@ def chunks_in_order(folder: Path, e: TensorEntry) -> list[Chunk]:
     at = 0
     for c in chunks:
         if c.offsets[0] != at:
-            what = f"overlap at row {c.offsets[0]}" if c.offsets[0] < at else f"leave rows {at}..{c.offsets[0] - 1} uncovered"
+            what = (
+                f"overlap at row {c.offsets[0]}"
+                if c.offsets[0] < at
+                else f"leave rows {at}..{c.offsets[0] - 1} uncovered"
+            )
             raise CheckpointFormatError(
                 f"{folder}: the chunks of tensor {e.fqn} (dim 0 of {e.shape[0]}) {what}; "
                 "each row must be in exactly one chunk"

@@ -195,7 +195,9 @@ def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[Piece, ...]:
         t = _chunk_tensor(src, z, e, c, what, seen)
         rec = z.storage(t.storage.key)
         if rec.method != 0 or t.byte_range() != (0, rec.size):
-            raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}")
+            raise NeedsTorch(
+                f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}"
+            )
         pieces.append(Piece(c.stored.file, view.start + rec.data_offset, rec.size, rec.crc, what))
     return tuple(pieces)
 

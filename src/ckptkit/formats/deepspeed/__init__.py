@@ -37,9 +37,21 @@ def zero_checks(path: Path, *, full: bool, progress: Progress | None = None) -> 
     except CheckpointFormatError as e:  # UnsupportedCheckpointError (a global it does not model) included
         return [Check("DeepSpeed ZeRO layout", "integrity", False, str(e))]
     try:
-        checks = [Check("DeepSpeed ZeRO layout", "integrity", True, f"{src.description}; {len(src.obj)} tensors from {src.weights_from}"),
-                  Check("safe to load", "safety", True, "read inertly: tensors, containers and DeepSpeed's loss scaler, "
-                        "stage and fragment records; nothing imported or run")]  # fmt: skip
+        checks = [
+            Check(
+                "DeepSpeed ZeRO layout",
+                "integrity",
+                True,
+                f"{src.description}; {len(src.obj)} tensors from {src.weights_from}",
+            ),
+            Check(
+                "safe to load",
+                "safety",
+                True,
+                "read inertly: tensors, containers and DeepSpeed's loss scaler, "
+                "stage and fragment records; nothing imported or run",
+            ),
+        ]
         if full:
             bad, count = [], 0
             for file, f in zip(src.paths, src.files, strict=True):

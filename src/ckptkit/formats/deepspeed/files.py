@@ -51,7 +51,9 @@ def find_layout(path: Path) -> Layout:
     """
     folder = deepspeed_tag_folder(path)
     if folder is None:
-        raise CheckpointFormatError(f"{path}: not a DeepSpeed checkpoint folder (no latest file, no *_model_states.pt files)")
+        raise CheckpointFormatError(
+            f"{path}: not a DeepSpeed checkpoint folder (no latest file, no *_model_states.pt files)"
+        )
     models = sorted(folder.glob("*_model_states.pt"), key=lambda p: natural_key(p.name))
     optims = sorted(folder.glob("*_optim_states.pt"), key=lambda p: natural_key(p.name))
     if not optims:
@@ -76,7 +78,12 @@ class _FromType(tp.Global):
 
     def __call__(self, *args: Any) -> Any:
         func = args[0] if len(args) == 4 else None
-        if isinstance(func, tp.Global) and func.module == "torch._utils" and func.name in TENSOR_BUILDERS and isinstance(args[2], tuple):
+        if (
+            isinstance(func, tp.Global)
+            and func.module == "torch._utils"
+            and func.name in TENSOR_BUILDERS
+            and isinstance(args[2], tuple)
+        ):
             return func(*args[2])
         return tp.Call(self, args)
 
@@ -130,7 +137,9 @@ def entry_of(obj: Any, key: str, path: Path) -> Any:
     """``obj[key]`` of a DeepSpeed pickle, or an error naming the file and what it holds instead."""
     if not isinstance(obj, Mapping) or key not in obj:
         found = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, Mapping) else type(obj).__name__
-        raise CheckpointFormatError(f"{path}: expected a DeepSpeed checkpoint entry {key!r}, found {found or 'nothing'}")
+        raise CheckpointFormatError(
+            f"{path}: expected a DeepSpeed checkpoint entry {key!r}, found {found or 'nothing'}"
+        )
     return obj[key]
 
 
@@ -185,6 +194,8 @@ def check_zero_source(path: Path, fmt: str, zero_weights: str) -> None:
     """
     if zero_weights not in ("fp32", "module") or (zero_weights != "fp32" and fmt != DEEPSPEED):
         flag = spell(f"zero_weights={zero_weights!r}", f"--zero-weights {zero_weights}")
-        raise ArgumentError(f"{flag} is for DeepSpeed ZeRO folders ('fp32' or 'module'), and {path} is a {fmt}; leave it out")
+        raise ArgumentError(
+            f"{flag} is for DeepSpeed ZeRO folders ('fp32' or 'module'), and {path} is a {fmt}; leave it out"
+        )
     if fmt == ZIP:
         refuse_rank_file(path)

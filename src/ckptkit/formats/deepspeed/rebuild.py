@@ -81,7 +81,9 @@ def run(file: int, z: TorchZip, value: Any, what: str) -> Run:
         raise UnsupportedCheckpointError(f"{z.path}: {what} has dtype {t.dtype}, which ckptkit does not know")
     if rec.method != 0 or z.byteorder != "little" or not t.is_contiguous():
         why = "compressed" if rec.method else "big-endian" if z.byteorder != "little" else "not contiguous"
-        raise UnsupportedCheckpointError(f"{z.path}: {what} is {why}; rebuild the weights with DeepSpeed's zero_to_fp32.py")
+        raise UnsupportedCheckpointError(
+            f"{z.path}: {what} is {why}; rebuild the weights with DeepSpeed's zero_to_fp32.py"
+        )
     start, length = t.byte_range()
     if start < 0 or start + length > rec.size:
         raise CheckpointFormatError(f"{z.path}: {what} needs bytes {start}..{start + length} of a record of {rec.size}")
@@ -112,49 +114,67 @@ def whole(r: Run, shape: tuple[int, ...], dtype: str | None = None) -> Spec:
     return Spec(dtype or r.dtype, shape, pieces([r], 0, r.numel), r.dtype)
 
 
-def trainable_12(shapes: list[dict[str, Any]], optims: list[Any], paths: list[Path], zips: list[TorchZip]) -> OrderedDict[str, Spec]:
+def trainable_12(
+    shapes: list[dict[str, Any]], optims: list[Any], paths: list[Path], zips: list[TorchZip]
+) -> OrderedDict[str, Spec]:
     """Stage 1/2: group ``i`` is the rank-ordered concatenation of ``single_partition_of_fp32_groups[i]``;
     each parameter a slice of it, in ``param_shapes[i]`` order, past its alignment padding."""
     out: OrderedDict[str, Spec] = OrderedDict()
     ws = len(optims)
     groups = [entry_of(o, "single_partition_of_fp32_groups", p) for o, p in zip(optims, paths, strict=True)]
     if any(not isinstance(g, list) or len(g) != len(shapes) for g in groups):
-        raise CheckpointFormatError(f"{paths[0]}: {len(groups[0])} fp32 partition groups, expected {len(shapes)} (param_shapes)")
+        raise CheckpointFormatError(
+            f"{paths[0]}: {len(groups[0])} fp32 partition groups, expected {len(shapes)} (param_shapes)"
+        )
     for gi, group in enumerate(shapes):
         runs = [run(r, zips[r], groups[r][gi], f"fp32 partition of group {gi}") for r in range(ws)]
         paddings = optims[0].get("param_alignment_paddings") or [[0] * len(g) for g in shapes]
         pads = paddings[gi] if gi < len(paddings) else []
         if len(pads) != len(group):
-            raise CheckpointFormatError(f"{paths[0]}: group {gi} has {len(group)} parameters but {len(pads)} alignment paddings")
+            raise CheckpointFormatError(
+                f"{paths[0]}: group {gi} has {len(group)} parameters but {len(pads)} alignment paddings"
+            )
         avail, offset = sum(r.numel for r in runs), 0
         for (name, size), pad in zip(group.items(), pads, strict=True):
             shape = shape_of(size, str(zips[0].path))
             numel = math.prod(shape)
             if offset + numel > avail:
-                raise CheckpointFormatError(f"{paths[0].parent}: parameter {name} needs elements {offset}..{offset + numel} of "
-                                            f"group {gi}, whose partitions hold {avail}: a rank's optim file is missing or stale")  # fmt: skip
+                raise CheckpointFormatError(
+                    f"{paths[0].parent}: parameter {name} needs elements {offset}..{offset + numel} of "
+                    f"group {gi}, whose partitions hold {avail}: a rank's optim file is missing or stale"
+                )
             out[name] = Spec("float32", shape, pieces(runs, offset, numel), "float32")
             offset += numel + pad
         align = 2 * ws  # zero_to_fp32's sanity check: both padded up to a multiple of 2 * world size
         if math.ceil(offset / align) != math.ceil(avail / align):
-            raise CheckpointFormatError(f"{paths[0].parent}: group {gi}'s parameters take {offset} elements but its fp32 "
-                                        f"partitions hold {avail}: the files are not of one checkpoint")  # fmt: skip
+            raise CheckpointFormatError(
+                f"{paths[0].parent}: group {gi}'s parameters take {offset} elements but its fp32 "
+                f"partitions hold {avail}: the files are not of one checkpoint"
+            )
         if any(r.dtype != "float32" for r in runs):
-            raise CheckpointFormatError(f"{paths[0].parent}: group {gi}'s fp32 partitions are {runs[0].dtype}, expected float32")
+            raise CheckpointFormatError(
+                f"{paths[0].parent}: group {gi}'s fp32 partitions are {runs[0].dtype}, expected float32"
+            )
     return out
 
 
-def trainable_3(shapes: list[dict[str, Any]], optims: list[Any], paths: list[Path], zips: list[TorchZip]) -> OrderedDict[str, Spec]:
+def trainable_3(
+    shapes: list[dict[str, Any]], optims: list[Any], paths: list[Path], zips: list[TorchZip]
+) -> OrderedDict[str, Spec]:
     """Stage 3: each parameter is partitioned alone, ``ceil(numel / ws)`` per rank, back to back in
     each rank's ``fp32_flat_groups`` (concatenated), in the order of every ``param_shapes`` merged."""
     out: OrderedDict[str, Spec] = OrderedDict()
     ws = len(optims)
-    flats = [[run(r, zips[r], g, f"fp32_flat_groups[{i}]") for i, g in enumerate(entry_of(o, "fp32_flat_groups", paths[r]))]
-             for r, o in enumerate(optims)]  # fmt: skip
+    flats = [
+        [run(r, zips[r], g, f"fp32_flat_groups[{i}]") for i, g in enumerate(entry_of(o, "fp32_flat_groups", paths[r]))]
+        for r, o in enumerate(optims)
+    ]
     lengths = [sum(r.numel for r in f) for f in flats]
     if len(set(lengths)) != 1 or any(r.dtype != "float32" for f in flats for r in f):
-        raise CheckpointFormatError(f"{paths[0].parent}: the ranks' fp32 partitions hold {lengths} elements; expected "
-                                    "float32 partitions of one length: the files are not of one checkpoint")  # fmt: skip
+        raise CheckpointFormatError(
+            f"{paths[0].parent}: the ranks' fp32 partitions hold {lengths} elements; expected "
+            "float32 partitions of one length: the files are not of one checkpoint"
+        )
     merged = {k: v for group in shapes for k, v in group.items()}
     offset = 0
     for name, size in merged.items():
@@ -162,14 +182,18 @@ def trainable_3(shapes: list[dict[str, Any]], optims: list[Any], paths: list[Pat
         numel = math.prod(shape)
         part = partitioned(numel, ws)
         if offset + part > lengths[0]:
-            raise CheckpointFormatError(f"{paths[0].parent}: parameter {name} needs elements {offset}..{offset + part} of "
-                                        f"each rank's fp32 partition, which holds {lengths[0]}")  # fmt: skip
+            raise CheckpointFormatError(
+                f"{paths[0].parent}: parameter {name} needs elements {offset}..{offset + part} of "
+                f"each rank's fp32 partition, which holds {lengths[0]}"
+            )
         found = [p for r in range(ws) for p in pieces(flats[r], offset, max(0, min(part, numel - r * part)))]
         out[name] = Spec("float32", shape, tuple(found), "float32")
         offset += part
     if offset != lengths[0]:
-        raise CheckpointFormatError(f"{paths[0].parent}: the parameters take {offset} elements of each rank's fp32 "
-                                    f"partition, which holds {lengths[0]}: the files are not of one checkpoint")  # fmt: skip
+        raise CheckpointFormatError(
+            f"{paths[0].parent}: the parameters take {offset} elements of each rank's fp32 "
+            f"partition, which holds {lengths[0]}: the files are not of one checkpoint"
+        )
     return out
 
 
@@ -191,13 +215,18 @@ def frozen(stage: int, models: list[Any], zips: list[TorchZip], files: list[int]
     shapes = models[0].get("frozen_param_shapes") if isinstance(models[0], Mapping) else None
     for name, size in (shapes or {}).items():
         shape = shape_of(size, str(zips[0].path))
-        frags = [entry_of(entry_of(m, "frozen_param_fragments", z.path), name, z.path) for m, z in zip(models, zips, strict=True)]
+        frags = [
+            entry_of(entry_of(m, "frozen_param_fragments", z.path), name, z.path)
+            for m, z in zip(models, zips, strict=True)
+        ]
         runs = [run(f, z, v, f"frozen parameter {name}") for f, z, v in zip(files, zips, frags, strict=True)]
         if stage <= 2:
             out[name] = whole(runs[0], tp.tensor_of(frags[0]).shape)  # type: ignore[union-attr]
         elif sum(r.numel for r in runs) < math.prod(shape):
-            raise CheckpointFormatError(f"{zips[0].path.parent}: frozen parameter {name} {list(shape)} has "
-                                        f"{sum(r.numel for r in runs)} elements across the ranks' fragments")  # fmt: skip
+            raise CheckpointFormatError(
+                f"{zips[0].path.parent}: frozen parameter {name} {list(shape)} has "
+                f"{sum(r.numel for r in runs)} elements across the ranks' fragments"
+            )
         else:
             out[name] = Spec(runs[0].dtype, shape, pieces(runs, 0, math.prod(shape)), runs[0].dtype)
     return out

@@ -167,7 +167,9 @@ class DsSource:
     def name_record(self, key: tuple[int, str]) -> str:
         """``tensors a, b (record data/6 of <file>)``: the tensors with bytes in a damaged record."""
         file, record = key
-        names = [n for n, t in self.obj.items() if any(p.file == file and p.record.name == record for p in t.spec.pieces)]
+        names = [
+            n for n, t in self.obj.items() if any(p.file == file and p.record.name == record for p in t.spec.pieces)
+        ]
         return f"{tensors_named(names) if names else 'bytes'} (record {record} of {self.paths[file].name})"
 
     def copy(self, t: DsTensor, dst: BinaryIO, progress: Progress | None = None) -> int:
@@ -251,21 +253,27 @@ def _read(src: DsSource) -> None:
         )
     need = src.world_size if src.stage == 3 else 1
     if len(lay.model_files) < need:
-        raise CheckpointFormatError(f"{lay.folder}: ZeRO-{src.stage} needs {need} *_model_states.pt files, found {len(lay.model_files)}")
+        raise CheckpointFormatError(
+            f"{lay.folder}: ZeRO-{src.stage} needs {need} *_model_states.pt files, found {len(lay.model_files)}"
+        )
     models = [_open(src, p) for p in lay.model_files[:need]]
     mfiles, mzips, mobjs = [m[0] for m in models], [m[1] for m in models], [m[2] for m in models]
     if src.zero_weights == "module":
         if src.stage == 3:
             flag = spell("zero_weights='module'", "--zero-weights module")
-            raise ArgumentError(f"{lay.folder}: is ZeRO-3, whose model-state files hold 0-element placeholders, not the "
-                                f"16-bit weights; leave out {flag} to rebuild the fp32 weights")  # fmt: skip
+            raise ArgumentError(
+                f"{lay.folder}: is ZeRO-3, whose model-state files hold 0-element placeholders, not the "
+                f"16-bit weights; leave out {flag} to rebuild the fp32 weights"
+            )
         specs = rb.module_weights(mobjs[0], mzips[0], mfiles[0])
     else:
         specs = rb.buffers(mobjs[0], mzips[0], mfiles[0])
         specs.update(rb.frozen(src.stage, mobjs, mzips, mfiles))
         shapes = entry_of(mobjs[0], "param_shapes", mzips[0].path)
         if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
-            raise CheckpointFormatError(f"{mzips[0].path}: param_shapes is a {type(shapes).__name__}, expected a list of dicts")
+            raise CheckpointFormatError(
+                f"{mzips[0].path}: param_shapes is a {type(shapes).__name__}, expected a list of dicts"
+            )
         trainable = rb.trainable_3 if src.stage == 3 else rb.trainable_12
         specs.update(trainable(shapes, states, list(lay.optim_files), [z for _, z, _ in optim]))
         for alias, source in (entry_of(mobjs[0], "shared_params", mzips[0].path) or {}).items():
@@ -278,4 +286,3 @@ def _read(src: DsSource) -> None:
 
 def is_leaf(value: Any) -> bool:
     return isinstance(value, DsTensor)
-

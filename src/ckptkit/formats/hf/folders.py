@@ -41,10 +41,19 @@ ACCELERATE_FILES = [
     (re.compile(r"^optimizer(_\d+)?\.bin$"), "optimizer state"),
     (re.compile(r"^scheduler(_\d+)?\.bin$"), "LR scheduler state"),
     (re.compile(r"^(sampler|dl_state_dict)(_\d+)?\.bin$"), "data loader / sampler state"),
-    (re.compile(r"^random_states_(\d+)\.pkl$"), "RNG states of process {0}: python, numpy, torch (a plain pickle: needs trust)"),
+    (
+        re.compile(r"^random_states_(\d+)\.pkl$"),
+        "RNG states of process {0}: python, numpy, torch (a plain pickle: needs trust)",
+    ),
     (re.compile(r"^scaler\.pt$"), "GradScaler state (fp16 mixed precision)"),
-    (re.compile(r"^custom_checkpoint_(\d+)\.pkl$"), "object {0} registered with register_for_checkpointing (needs trust)"),
-    (re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$"), "model {1}'s weights (a file of its own: give it for those)"),
+    (
+        re.compile(r"^custom_checkpoint_(\d+)\.pkl$"),
+        "object {0} registered with register_for_checkpointing (needs trust)",
+    ),
+    (
+        re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$"),
+        "model {1}'s weights (a file of its own: give it for those)",
+    ),
 ]
 
 
@@ -117,11 +126,15 @@ def describe_folder(folder: Path) -> Producer | None:
     if isinstance(arch := config.get("architectures"), list):
         what += f" ({', '.join(map(str, arch))})"
     if config.get("tie_word_embeddings") is True and weights:
-        notes.append("tie_word_embeddings: Hugging Face stores the tied output layer once, under the embedding's name; "
-                     "load_for_rank fills it from the model's tie")  # fmt: skip
+        notes.append(
+            "tie_word_embeddings: Hugging Face stores the tied output layer once, under the embedding's name; "
+            "load_for_rank fills it from the model's tie"
+        )
     if not weights:
         adapter = "adapter_model.safetensors" in names
-        notes.append("it holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
-                     + ("; its weights are a PEFT adapter: give adapter_model.safetensors" if adapter else ""))  # fmt: skip
+        notes.append(
+            "it holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+            + ("; its weights are a PEFT adapter: give adapter_model.safetensors" if adapter else "")
+        )
     files = [{"name": n, "holds": _holds(n, TRAINER_FILES) or "-"} for n in names]
     return Producer(name, what, weights=", ".join(weights) or None, notes=notes, files=files)

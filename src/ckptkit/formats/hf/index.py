@@ -59,8 +59,11 @@ class HfIndex:
     def tied(self) -> dict[str, str]:
         """``{dropped name: kept name}`` for tied tensors stored once (huggingface_hub's metadata entries
         naming a tensor the weight map lacks after one it has)."""
-        return {k: v for k, v in self.metadata.items()
-                if k not in _NOT_ALIASES and k not in self.weight_map and isinstance(v, str) and v in self.weight_map}  # fmt: skip
+        return {
+            k: v
+            for k, v in self.metadata.items()
+            if k not in _NOT_ALIASES and k not in self.weight_map and isinstance(v, str) and v in self.weight_map
+        }
 
     def total_bytes(self) -> int:
         """The index's and every shard's size on disk (missing shards count 0)."""
@@ -91,14 +94,20 @@ def read_index(path: str | Path) -> HfIndex:
         return _single(p)
     size = p.stat().st_size
     if size > MAX_INDEX_BYTES:
-        raise CheckpointFormatError(f"{p}: {size} bytes is too big for a Hugging Face index (at most {MAX_INDEX_BYTES})")
+        raise CheckpointFormatError(
+            f"{p}: {size} bytes is too big for a Hugging Face index (at most {MAX_INDEX_BYTES})"
+        )
     try:
         raw = json.loads(p.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointFormatError(f"{p}: a Hugging Face index must be JSON ({e})") from e
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise CheckpointFormatError(f'{p}: a Hugging Face index is a JSON object whose "weight_map" maps tensor names to shard files')
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointFormatError(
+            f'{p}: a Hugging Face index is a JSON object whose "weight_map" maps tensor names to shard files'
+        )
     metadata = raw.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise CheckpointFormatError(f'{p}: "metadata" is a JSON {type(metadata).__name__}, not an object')
@@ -141,7 +150,9 @@ def check_shard_keys(index: HfIndex, found: Mapping[str, Sequence[str]]) -> None
         if where.get(key) != shard:
             also = f" (it is in {where[key]})" if key in where else ""
             problems.append(f"missing key {key}: the index puts it in {shard}, which does not hold it{also}")
-    problems += [f"extra key {k} in {s}: the index does not list it" for k, s in where.items() if k not in index.weight_map]
+    problems += [
+        f"extra key {k} in {s}: the index does not list it" for k, s in where.items() if k not in index.weight_map
+    ]
     held: dict[str, list[str]] = {}
     for shard, keys in found.items():
         for k in keys:
@@ -167,9 +178,11 @@ def shard_note(path: Path) -> str | None:
             continue
         if path.name in index.shards:
             held = sum(1 for s in index.weight_map.values() if s == path.name)
-            return (f"{path.name} is shard {int(m['i'])} of {int(m['n'])} of a sharded checkpoint: it holds {held} of "
-                    f"the {len(index.weight_map)} tensors its index {index.path} lists; give that index or "
-                    f"{index.folder} for the whole model")  # fmt: skip
+            return (
+                f"{path.name} is shard {int(m['i'])} of {int(m['n'])} of a sharded checkpoint: it holds {held} of "
+                f"the {len(index.weight_map)} tensors its index {index.path} lists; give that index or "
+                f"{index.folder} for the whole model"
+            )
     return None
 
 
@@ -250,4 +263,6 @@ def index_bytes(files: Mapping[str, Sequence[str]], total_size: int, metadata: M
 def drop_tied(groups: Mapping[Any, Sequence[str]]) -> dict[str, str]:
     """huggingface_hub's choice among tensors stored once: ``{dropped: kept}``, keeping the first
     name in sorted order of each group of exact aliases (``groups``: storage -> names)."""
-    return {name: min(names) for names in groups.values() if len(names) > 1 for name in sorted(names) if name != min(names)}
+    return {
+        name: min(names) for names in groups.values() if len(names) > 1 for name in sorted(names) if name != min(names)
+    }

@@ -45,10 +45,14 @@ class Written:
 
 def check_destination(src: Path, dest: Path, *, force: bool) -> None:
     """Raise unless ``dest`` may become a sharded folder (see :func:`.atomicdir.check_folder_destination`)."""
-    check_folder_destination(src, dest, force=force, owned=lambda n: bool(HF_FILE.match(n)), what="Hugging Face weight files")
+    check_folder_destination(
+        src, dest, force=force, owned=lambda n: bool(HF_FILE.match(n)), what="Hugging Face weight files"
+    )
 
 
-def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object]) -> None:
+def write_folder(
+    dest: Path, written: Written, write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object]
+) -> None:
     """Write ``written``'s shards (``write_shard(file, names, metadata)`` fills each) and its index
     into a temp folder that becomes ``dest`` once every file is complete and durable.
 
@@ -59,7 +63,10 @@ def write_folder(dest: Path, written: Written, write_shard: Callable[[BinaryIO, 
     ``_OPEN_AT_MOST`` files the oldest is synced and closed early."""
     one = len(written.files) == 1
     meta = {"format": "pt", **(written.tied if one else {})}
-    with atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp, contextlib.ExitStack() as files:  # files close before the folder's rename
+    with (
+        atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp,
+        contextlib.ExitStack() as files,
+    ):  # files close before the folder's rename
         unsynced: list[BinaryIO] = []
         for file in [*written.files, *([] if one else [HF_INDEXES[0]])]:
             f = files.enter_context(open(tmp / file, "xb"))
@@ -96,9 +103,15 @@ def plan(state: Mapping[str, Entry], *, max_shard_size: int, views: bool = False
 
 
 def write_shards(
-    dest: Path, state: Mapping[str, Any], *, max_shard_size: int, source: str, progress: Progress | None = None,
-    views: bool = False, after: Callable[[], object] = lambda: None,
-) -> Written:  # fmt: skip
+    dest: Path,
+    state: Mapping[str, Any],
+    *,
+    max_shard_size: int,
+    source: str,
+    progress: Progress | None = None,
+    views: bool = False,
+    after: Callable[[], object] = lambda: None,
+) -> Written:
     """Write ``state`` (names -> :class:`~..entry.Entry`) as a sharded folder at ``dest``;
     ``after()`` runs once each shard is written, before anything is published (a source's
     damage check).
@@ -110,6 +123,7 @@ def write_shards(
     if bad:
         raise ArgumentError(f"{source}: Hugging Face shards hold only tensors; not tensors: {summarize(bad)}")
     written = plan(state, max_shard_size=max_shard_size, views=views)
+
     def write_shard(f: BinaryIO, names: list[str], meta: dict[str, str]) -> None:
         write_safetensors(f, {n: state[n] for n in names}, meta, source=source, progress=progress)
         after()

@@ -75,4 +75,7 @@ def new_tensor(key: str, dtype: str, shape: tuple[int, ...]) -> TensorRef:
         storage = StorageRef(("storage", _global("torch", d.storage), key, "cpu", numel))
         return TensorRef(_global("torch._utils", "_rebuild_tensor_v2"), (storage, 0, shape, stride, False, hooks))
     storage = StorageRef(("storage", _global("torch.storage", "UntypedStorage"), key, "cpu", numel * d.itemsize))
-    return TensorRef(_global("torch._utils", "_rebuild_tensor_v3"), (storage, 0, shape, stride, False, hooks, _global("torch", d.name)))
+    return TensorRef(
+        _global("torch._utils", "_rebuild_tensor_v3"),
+        (storage, 0, shape, stride, False, hooks, _global("torch", d.name)),
+    )

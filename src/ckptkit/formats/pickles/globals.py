@@ -19,15 +19,21 @@ PARAM_BUILDERS = frozenset({"_rebuild_parameter", "_rebuild_parameter_with_state
 # Globals DeepSpeed's ZeRO pickles name beyond torch's (fp32 partitions with a ``ds_id`` attribute go
 # through ``_rebuild_from_type_v2``). Only ``formats.deepspeed.files``' unpickler admits them, as the
 # same inert records as every other stand-in: nothing is imported or run, and no other reader sees them.
-DEEPSPEED_GLOBALS = frozenset({
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    ("torch._tensor", "_rebuild_from_type_v2"),
-    ("torch", "Tensor"),
-})  # fmt: skip
-REAL_GLOBALS = {("collections", "OrderedDict"): OrderedDict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
+DEEPSPEED_GLOBALS = frozenset(
+    {
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch", "Tensor"),
+    }
+)
+REAL_GLOBALS = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
 
 
 def allowed_global(module: str, name: str) -> bool:
@@ -44,5 +50,7 @@ def allowed_global(module: str, name: str) -> bool:
 def python3_name(module: str, name: str, protocol: int) -> tuple[str, str]:
     """A global as Python 3 resolves it: protocol 2 spells ``builtins.set`` as ``__builtin__.set``."""
     if protocol < 3:
-        return _compat_pickle.NAME_MAPPING.get((module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name))
+        return _compat_pickle.NAME_MAPPING.get(
+            (module, name), (_compat_pickle.IMPORT_MAPPING.get(module, module), name)
+        )
     return module, name

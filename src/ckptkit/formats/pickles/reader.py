@@ -242,7 +242,11 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         raise CheckpointFormatError("pickle uses protocol-5 buffer opcodes, which torch checkpoints never contain")
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
-    dispatch.update(dict.fromkeys((op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers))  # type: ignore[arg-type]
+    dispatch.update(
+        dict.fromkeys(
+            (op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers
+        )
+    )  # type: ignore[arg-type]
     dispatch[pickle.FRAME[0]] = _frame  # type: ignore[assignment]
 
     def find_class(self, module: str, name: str) -> Any:
@@ -273,7 +277,10 @@ def storage_nbytes(ref: StorageRef) -> int:
 
 
 def loads(
-    data: bytes | BinaryIO, *, on_storage: Callable[[StorageRef], None] | None = None, unpickler: type[_Unpickler] | None = None
+    data: bytes | BinaryIO,
+    *,
+    on_storage: Callable[[StorageRef], None] | None = None,
+    unpickler: type[_Unpickler] | None = None,
 ) -> Any:
     """Unpickle a torch ``data.pkl`` into containers with stand-in leaves.
 

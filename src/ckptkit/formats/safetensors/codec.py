@@ -53,9 +53,13 @@ def write_safetensors(
     """
     bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not isinstance(v, Entry)]
     if bad:
-        raise ArgumentError(f"{source}: safetensors holds only tensors, but {len(bad)} entries are not: {summarize(bad)}; "
-                            "save them with a .pt suffix, or pass only the model state dict")  # fmt: skip
-    unknown = [f"{k} ({v.dtype})" for k, v in state.items() if v.dtype not in BY_NAME or BY_NAME[v.dtype].safetensors is None]
+        raise ArgumentError(
+            f"{source}: safetensors holds only tensors, but {len(bad)} entries are not: {summarize(bad)}; "
+            "save them with a .pt suffix, or pass only the model state dict"
+        )
+    unknown = [
+        f"{k} ({v.dtype})" for k, v in state.items() if v.dtype not in BY_NAME or BY_NAME[v.dtype].safetensors is None
+    ]
     if unknown:
         raise ArgumentError(f"{source}: safetensors has no dtype for {summarize(unknown)}; use a .pt suffix")
     kept: dict[str, Entry] = {}

@@ -53,15 +53,21 @@ def entries(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         s = t.untyped_storage()
         nbytes = t.numel() * t.element_size()
         out[name] = Bytes(
-            str(t.dtype).removeprefix("torch."), tuple(t.shape), nbytes, functools.partial(_write, t),
+            str(t.dtype).removeprefix("torch."),
+            tuple(t.shape),
+            nbytes,
+            functools.partial(_write, t),
             ident=(t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())),
-            storage=(t.device, s.data_ptr()), storage_size=s.nbytes(),
+            storage=(t.device, s.data_ptr()),
+            storage_size=s.nbytes(),
             complete=t.data_ptr() == s.data_ptr() and nbytes == s.nbytes(),
-        )  # fmt: skip
+        )
     return out
 
 
-def save_tensors(f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *, source: str = "state dict") -> None:
+def save_tensors(
+    f: BinaryIO, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *, source: str = "state dict"
+) -> None:
     """Write a mapping of tensors to ``f`` in safetensors format, tied tensors stored once.
 
     Raises:

@@ -103,7 +103,9 @@ class TorchZip:
             )
         stray = [r.name for r in self.records if not r.name.startswith(self.prefix)]
         if stray:
-            raise CheckpointFormatError(f"{self.path}: records outside the archive folder {self.prefix!r}: {summarize(stray)}")
+            raise CheckpointFormatError(
+                f"{self.path}: records outside the archive folder {self.prefix!r}: {summarize(stray)}"
+            )
         version = self._record(".data/version")
         version = self._record("version") if version is None else version
         if version is None:
@@ -124,7 +126,9 @@ class TorchZip:
         try:
             self.alignment = max(1, int(alignment))
         except ValueError as e:  # torch.load fails on it the same way
-            raise CheckpointFormatError(f"{self.path}: .storage_alignment record says {alignment[:20]!r}, not a number") from e
+            raise CheckpointFormatError(
+                f"{self.path}: .storage_alignment record says {alignment[:20]!r}, not a number"
+            ) from e
 
     def _record(self, name: str) -> bytes | None:
         """The bytes of record ``<archive>/name``, or None if the zip has none."""

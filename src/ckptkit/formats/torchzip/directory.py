@@ -56,7 +56,9 @@ def read_directory(path: Path, f: BinaryIO, size: int) -> list[Entry]:
     for _ in range(total):
         if directory[pos : pos + 4] != b"PK\x01\x02" or pos + CENTRAL.size > len(directory):
             raise CheckpointFormatError(f"{path}: the zip's central directory is damaged at byte {cd_offset + pos}")
-        (_, _, _, flags, method, _, _, crc, csize, usize, n, e, c, volume, _, external, offset) = CENTRAL.unpack_from(directory, pos)
+        (_, _, _, flags, method, _, _, crc, csize, usize, n, e, c, volume, _, external, offset) = CENTRAL.unpack_from(
+            directory, pos
+        )
         start, pos = pos + CENTRAL.size, pos + CENTRAL.size + n + e + c
         if pos > len(directory):
             raise CheckpointFormatError(f"{path}: a zip central directory header runs past the directory's end")
@@ -82,17 +84,25 @@ def _locate(path: Path, f: BinaryIO, size: int) -> tuple[int, int, int]:
         # zipfile looks for the zip64 end record just before the locator; torch follows its offset.
         record_at, disks = struct.unpack_from("<QI", locator, 8)
         if record_at > size - _EOCD64.size:
-            raise CheckpointFormatError(f"{path}: the zip64 locator points past the end of the file; the file is damaged")
+            raise CheckpointFormatError(
+                f"{path}: the zip64 locator points past the end of the file; the file is damaged"
+            )
         f.seek(record_at)
         record = f.read(_EOCD64.size)
         if record[:4] == b"PK\x06\x06":  # else torch ignores the locator and reads the 32-bit record
             _, record_size, _, _, disk, cd_disk, here, total, cd_size, cd_offset = _EOCD64.unpack(record)
             if record_size < _EOCD64.size - 12:
-                raise CheckpointFormatError(f"{path}: the zip64 end record says it is {record_size} bytes long; the file is damaged")
+                raise CheckpointFormatError(
+                    f"{path}: the zip64 end record says it is {record_size} bytes long; the file is damaged"
+                )
             if disks != 1:
-                raise CheckpointFormatError(f"{path}: the zip64 locator describes {disks} disks; torch reads one, the file is damaged")
+                raise CheckpointFormatError(
+                    f"{path}: the zip64 locator describes {disks} disks; torch reads one, the file is damaged"
+                )
             if max(total, here, cd_size) > U32:
-                raise UnsupportedCheckpointError(f"{path}: the zip's directory is over 4 GiB or 2**32 entries, beyond torch's reader")
+                raise UnsupportedCheckpointError(
+                    f"{path}: the zip's directory is over 4 GiB or 2**32 entries, beyond torch's reader"
+                )
     if (disk, cd_disk) not in ((0, 0), (1, 1)) or here != total:
         raise CheckpointFormatError(
             f"{path}: the zip's end record describes a multi-disk archive (disk {disk}, central directory on "
@@ -122,27 +132,34 @@ def _zip64(path: Path, name: str, extra: bytes, usize: int, csize: int, offset: 
                 return values[0], values[1], values[2]
             break
         pos += 4 + n
-    raise CheckpointFormatError(f"{path}: zip record {name} lacks the zip64 sizes its header calls for; the file is damaged")
+    raise CheckpointFormatError(
+        f"{path}: zip record {name} lacks the zip64 sizes its header calls for; the file is damaged"
+    )
 
 
 def _check(path: Path, name: str, flags: int, method: int, csize: int, usize: int, volume: int, external: int) -> None:
     """Refuse a record torch's reader refuses (or misreads) but Python's zipfile lets through."""
     unreadable = (
-        f"has flags 0x{flags:04x} (encrypted or patch data)" if flags & _UNSUPPORTED_FLAGS
-        else f"uses compression method {method} (torch reads 0, stored, and 8, deflate)" if method not in _METHODS
+        f"has flags 0x{flags:04x} (encrypted or patch data)"
+        if flags & _UNSUPPORTED_FLAGS
+        else f"uses compression method {method} (torch reads 0, stored, and 8, deflate)"
+        if method not in _METHODS
         else None
-    )  # fmt: skip
+    )
     if unreadable:  # a zip torch cannot read, not necessarily a damaged one
         raise UnsupportedCheckpointError(
             f"{path}: zip record {name} {unreadable}; torch cannot read it. If another zip tool "
             "repacked the file, save it again with torch.save"
         )
     why = (
-        f"is stored but its sizes differ ({csize} vs {usize})" if method == zipfile.ZIP_STORED and csize != usize
-        else f"claims to start on disk {volume} of a multi-disk archive" if volume > 1
-        else "is marked as a folder" if external & _DOS_FOLDER or name.endswith("/")
+        f"is stored but its sizes differ ({csize} vs {usize})"
+        if method == zipfile.ZIP_STORED and csize != usize
+        else f"claims to start on disk {volume} of a multi-disk archive"
+        if volume > 1
+        else "is marked as a folder"
+        if external & _DOS_FOLDER or name.endswith("/")
         else None
-    )  # fmt: skip
+    )
     if why:
         raise CheckpointFormatError(f"{path}: zip record {name} {why}; the file is damaged")
 

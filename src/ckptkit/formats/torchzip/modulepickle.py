@@ -131,7 +131,12 @@ class ModuleUnpickler(tp._Unpickler):
             if name == _COMPILED and args:  # OptimizedModule(mod, ctx).__init__ registers mod as _orig_mod
                 inst.state = {"_parameters": {}, "_buffers": {}, "_modules": {"_orig_mod": args[0]}}
             return inst
-        if name == _FROM_TYPE and len(args) == 4 and self._names.get(id(args[1])) == _TENSOR and isinstance(args[2], tuple):
+        if (
+            name == _FROM_TYPE
+            and len(args) == 4
+            and self._names.get(id(args[1])) == _TENSOR
+            and isinstance(args[2], tuple)
+        ):
             # A plain tensor with Python attributes: a buffer torch.compile has run on carries
             # _dynamo_static_input_type. state_dict() detaches it, attributes dropped; so here.
             self._used.update((name, _TENSOR))
@@ -165,7 +170,9 @@ class ModuleUnpickler(tp._Unpickler):
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # a recorded call, or an OrderedDict's attributes (a state dict's _metadata)
 
     dispatch: ClassVar[dict[int, Any]] = dict(tp._Unpickler.dispatch)
-    dispatch.update({b"\x81"[0]: _load_newobj, b"\x92"[0]: _load_newobj_ex, b"R"[0]: _load_reduce, b"b"[0]: _load_build})
+    dispatch.update(
+        {b"\x81"[0]: _load_newobj, b"\x92"[0]: _load_newobj_ex, b"R"[0]: _load_reduce, b"b"[0]: _load_build}
+    )
 
     def load(self) -> Any:
         root = super().load()
@@ -173,7 +180,11 @@ class ModuleUnpickler(tp._Unpickler):
             raise NotAModule(f"the pickle holds a {getattr(getattr(root, 'cls', None), 'name', type(root).__name__)}")
         # A global kept as a value is imported by torch.load, never called: torch's own names
         # (an activation function as an attribute) are torch's code; any other is refused.
-        unused = [n for n in self._stand_ins if n not in self._used and n not in HARMLESS_VALUES and not n.startswith("torch.")]
+        unused = [
+            n
+            for n in self._stand_ins
+            if n not in self._used and n not in HARMLESS_VALUES and not n.startswith("torch.")
+        ]
         unsafe = [n for n in dict.fromkeys(self._refused + unused) if n not in self.allow]
         if unsafe and not self.trust:
             raise UnsafeModulePickle(unsafe, describe(root))
@@ -188,7 +199,11 @@ def _tensor_ref(key: str, value: Any) -> tp.TensorRef:
 
 
 def read_module(
-    data: bytes, *, trust: bool = False, allow: Iterable[str] = (), on_storage: Callable[[tp.StorageRef], None] | None = None
+    data: bytes,
+    *,
+    trust: bool = False,
+    allow: Iterable[str] = (),
+    on_storage: Callable[[tp.StorageRef], None] | None = None,
 ) -> PickledModule:
     """A pickled module's ``state_dict()`` as :class:`~torchpickle.TensorRef` leaves, without torch.
 

@@ -60,7 +60,9 @@ def is_module(obj: Any) -> bool:
         Whether ``obj`` is an :class:`Instance` whose ``_parameters``, ``_buffers`` and
         ``_modules`` are mappings.
     """
-    return isinstance(obj, Instance) and all(isinstance(obj.attrs.get(k), Mapping) for k in ("_parameters", "_buffers", "_modules"))
+    return isinstance(obj, Instance) and all(
+        isinstance(obj.attrs.get(k), Mapping) for k in ("_parameters", "_buffers", "_modules")
+    )
 
 
 def describe(module: Instance) -> str:
@@ -96,7 +98,9 @@ def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[s
             continue
         visits += 1
         if visits > MAX_MODULE_VISITS:  # a child shared along many paths: 2**depth visits from a few kB
-            raise Unbounded(f"its modules would be visited more than {MAX_MODULE_VISITS:,} times (a submodule shared along many paths)")
+            raise Unbounded(
+                f"its modules would be visited more than {MAX_MODULE_VISITS:,} times (a submodule shared along many paths)"
+            )
         where = prefix.rstrip(".") or "the top-level module"
         if not is_module(module):
             raise Unmodelled(f"{where} is a {type(module).__name__}, not a pickled module")
@@ -108,7 +112,9 @@ def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[s
             raise Unmodelled(f"{where} ({module.cls.name}) is a quantized module, whose state_dict() is its own code")
         for hooks in ("_state_dict_hooks", "_state_dict_pre_hooks"):
             if attrs.get(hooks):
-                raise Unmodelled(f"{where} ({module.cls.name}) has {len(attrs[hooks])} {hooks}, which state_dict() would run")
+                raise Unmodelled(
+                    f"{where} ({module.cls.name}) has {len(attrs[hooks])} {hooks}, which state_dict() would run"
+                )
         for name, value in attrs["_parameters"].items():
             if value is not None:
                 out[prefix + name] = leaf(prefix + name, value)
@@ -117,5 +123,7 @@ def state_dict(root: Instance, leaf: Callable[[str, Any], Any]) -> OrderedDict[s
             if value is not None and name not in skip:
                 out[prefix + name] = leaf(prefix + name, value)
         todo.append((module, None))
-        todo += [(child, f"{prefix}{name}.") for name, child in reversed(attrs["_modules"].items()) if child is not None]
+        todo += [
+            (child, f"{prefix}{name}.") for name, child in reversed(attrs["_modules"].items()) if child is not None
+        ]
     return out

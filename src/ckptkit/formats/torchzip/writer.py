@@ -25,9 +25,14 @@ ZIP64_AT = U32  # sizes/offsets from here on need zip64 (tests lower it to exerc
 
 
 def write_torch_zip(
-    f: BinaryIO, obj: Any, *, records: Mapping[str, Entry] | None = None, prefix: str = "archive/",
-    byteorder: str = "little", progress: Progress | None = None,
-) -> int:  # fmt: skip
+    f: BinaryIO,
+    obj: Any,
+    *,
+    records: Mapping[str, Entry] | None = None,
+    prefix: str = "archive/",
+    byteorder: str = "little",
+    progress: Progress | None = None,
+) -> int:
     """The one torch zip writer: ``obj`` as the checkpoint ``torch.load`` reads; returns the bytes stored.
 
     ``obj``'s tensors are :class:`~.entry.Entry` leaves, each stored as a new storage (entries
@@ -78,7 +83,9 @@ class ZipWriter:
         pad = -at % self.alignment if like is None else page_pad(at, like, csize, alignment=self.alignment)
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         sizes = (U32, U32) if zip64 else (csize, size)
-        self.f.write(_LOCAL.pack(0x04034B50, 45 if zip64 else 20, 0, method, 0, 0x21, crc, *sizes, len(name), len(extra)))
+        self.f.write(
+            _LOCAL.pack(0x04034B50, 45 if zip64 else 20, 0, method, 0, 0x21, crc, *sizes, len(name), len(extra))
+        )
         self.f.write(name + extra)
         self.entries.append((name, crc, csize, size, method, offset))
 
@@ -94,7 +101,9 @@ class ZipWriter:
         """
         return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress))
 
-    def add_written(self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None, like: int | None = None) -> int:
+    def add_written(
+        self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None, like: int | None = None
+    ) -> int:
         """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
         of a tensor copied from several files). The header gets ``crc`` where the caller knows what
         the bytes' CRC should be (a DCP tensor's, from its chunks'), else it is patched in after;
@@ -114,7 +123,12 @@ class ZipWriter:
     def start_torch_archive(self, pickled: bytes, prefix: str = "archive/", *, byteorder: str = "little") -> str:
         """torch's opening records: ``data.pkl`` and the small ones before the storages; returns
         ``prefix``, under which ``data/<key>`` records then go."""
-        for name, payload in (("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", byteorder.encode())):
+        for name, payload in (
+            ("data.pkl", pickled),
+            (".format_version", b"1"),
+            (".storage_alignment", b"64"),
+            ("byteorder", byteorder.encode()),
+        ):
             self.add_bytes(f"{prefix}{name}", payload)
         return prefix
 
@@ -124,7 +138,9 @@ class ZipWriter:
         for name, crc, *_ in self.entries:
             digest.update(name + crc.to_bytes(4, "little"))
         self.add_bytes(f"{prefix}version", b"3\n")
-        self.add_bytes(f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode())
+        self.add_bytes(
+            f"{prefix}.data/serialization_id", str(int.from_bytes(digest.digest()[:16], "big")).zfill(40).encode()
+        )
 
     def add_entry(self, name: str, e: Entry, progress: Progress | None = None) -> int | None:
         """Store an entry's bytes (a compressed zip record as it is); returns their CRC-32 as
@@ -143,10 +159,24 @@ class ZipWriter:
             extra = struct.pack("<HH", 1, 8 * len(big)) + b"".join(struct.pack("<Q", v) for v in big) if big else b""
             self.f.write(
                 _CENTRAL.pack(
-                    0x02014B50, 45 if big else 20, 45 if big else 20, 0, method, 0, 0x21, crc,
-                    U32 if csize >= ZIP64_AT else csize, U32 if size >= ZIP64_AT else size,
-                    len(name), len(extra), 0, 0, 0, 0, U32 if offset >= ZIP64_AT else offset,
-                )  # fmt: skip
+                    0x02014B50,
+                    45 if big else 20,
+                    45 if big else 20,
+                    0,
+                    method,
+                    0,
+                    0x21,
+                    crc,
+                    U32 if csize >= ZIP64_AT else csize,
+                    U32 if size >= ZIP64_AT else size,
+                    len(name),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0,
+                    U32 if offset >= ZIP64_AT else offset,
+                )
             )
             self.f.write(name + extra)
         end = self.f.tell()
@@ -156,7 +186,14 @@ class ZipWriter:
             self.f.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
         self.f.write(
             struct.pack(
-                "<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                U32 if cd_size >= ZIP64_AT else cd_size, U32 if start >= ZIP64_AT else start, 0,
-            )  # fmt: skip
+                "<IHHHHIIH",
+                0x06054B50,
+                0,
+                0,
+                min(count, 0xFFFF),
+                min(count, 0xFFFF),
+                U32 if cd_size >= ZIP64_AT else cd_size,
+                U32 if start >= ZIP64_AT else start,
+                0,
+            )
         )
