@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from ..errors import UnsupportedCheckpointError, spell
 
+_get_allowed_globals: Callable[[], dict[str, Any]]  # torch's is an lru_cache wrapper, the fallback a function
 try:  # torch's own allowlist: private, in every torch ckptkit supports; without it only the caller's are known
     from torch._weights_only_unpickler import _get_allowed_globals
 except ImportError:  # pragma: no cover

@@ -372,7 +372,6 @@ def _finish(
         ckptkit.save_on_master(ckptkit.unwrap_model(run.net).state_dict(), run_path(cfg, "model.safetensors"))
     stop.restore()
     # A preempted run's last evaluation is from before the stop: not the model it saved.
-    log.event(
-        "end", status=status, step=run.step, epoch=run.epoch, **({"val_acc": val_acc} if status == "done" else {})
-    )
+    extra: dict[str, Any] = {"val_acc": val_acc} if status == "done" else {}
+    log.event("end", status=status, step=run.step, epoch=run.epoch, **extra)
     return {"status": status, "step": run.step, "epoch": run.epoch, "val_acc": val_acc}

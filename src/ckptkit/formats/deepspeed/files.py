@@ -111,7 +111,8 @@ class _Unpickler(tp._Unpickler):
             raise pickle.UnpicklingError(f"NEWOBJ of {type(cls).__name__}, not a class")
         self.append(cls(*args))
 
-    dispatch[pickle.NEWOBJ[0]] = _newobj
+    # typeshed types pickle._Unpickler.dispatch's handlers as taking the C pickle.Unpickler; they take _Unpickler
+    dispatch[pickle.NEWOBJ[0]] = _newobj  # type: ignore[assignment]
 
 
 def read_pickle(z: TorchZip) -> Any:

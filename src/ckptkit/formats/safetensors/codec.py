@@ -89,11 +89,11 @@ def write_safetensors(
     # Where the source records every CRC-32, the header goes out once, final; else with
     # same-width placeholders patched after the data (a page the disk may be writing back).
     known = {n: e.crc for n, e in kept.items()}
-    first = header(known if None not in known.values() else None)
-    f.write(first)
+    first_header = header(known if None not in known.values() else None)
+    f.write(first_header)
     final = header({n: e.write(f, progress) for n, e in kept.items()})
-    if final != first:
-        if len(final) != len(first):  # cannot happen: same keys, same widths
+    if final != first_header:
+        if len(final) != len(first_header):  # cannot happen: same keys, same widths
             raise CheckpointFormatError("internal error: safetensors header changed length while patching CRCs")
         end = f.tell()
         f.seek(start)
