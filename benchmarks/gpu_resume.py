@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.test_train import kill_tree, records  # noqa: E402
+from tests.train.test_trainer import kill_tree, records  # noqa: E402
 
 STEPS_PER_EPOCH = 8192 // 64  # the built-in task, default batch size, one process
 CONFIGS = {"bf16": ["--amp", "bf16"], "async": ["--async-save"]}

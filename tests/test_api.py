@@ -19,7 +19,7 @@ import ckptkit.errors
 import ckptkit.prefix
 from ckptkit.cli import main
 from fixtures.models import TinyNet
-from tests.test_convert_edges import _dcp_folder
+from tests.ops.test_convert import _dcp_folder
 
 REPO = Path(ckptkit.__file__).resolve().parents[1]
 
@@ -255,7 +255,7 @@ def test_commit_outside_the_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_top_level_is_small_and_resolves() -> None:
-    assert len(ckptkit.__all__) <= 22
+    assert len(ckptkit.__all__) <= 26
     for name in ckptkit.__all__:
         assert getattr(ckptkit, name) is not None
     for name in ckptkit.errors.__all__:
@@ -268,8 +268,11 @@ def test_the_top_level_is_small_and_resolves() -> None:
         )
     assert ckptkit.prefix.strip_prefix is ckptkit.strip_prefix
     # no release came before this one: every other name lives in its one home only
-    for name in ("UnsafeCheckpointError", "detect_prefixes", "find_model_state", "ConvertReport"):
+    for name in ("UnsafeCheckpointError", "detect_prefixes", "find_model_state", "TensorInfo"):
         assert not hasattr(ckptkit, name), name
+    # what the operations return is public, so callers can type against it
+    for name in ("ConvertReport", "VerifyReport", "DiffReport", "CheckpointSummary"):
+        assert name in ckptkit.__all__ and isinstance(getattr(ckptkit, name), type), name
     assert ckptkit.errors.UnsafeCheckpointError.__module__ == "ckptkit.errors"
     assert "detect_prefixes" in ckptkit.prefix.__all__
 

@@ -204,4 +204,6 @@ def test_function_level_imports_only_defer_torch(module: str) -> None:
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_modules_stay_small(path: Path) -> None:
-    assert len(path.read_text().splitlines()) <= 600, "split it by concept: a module holds one concept (a few hundred lines)"
+    assert len(path.read_text().splitlines()) <= 600, (
+        "split it by concept: a module holds one concept (a few hundred lines)"
+    )

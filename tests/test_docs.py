@@ -196,7 +196,7 @@ def test_the_shell_examples_run_as_written(tmp_path: Path, where: str, code: str
 
 
 def _python_examples() -> list[tuple[str, str]]:
-    """The site's Python blocks (the README's run in tests/test_first_hour.py)."""
+    """The site's Python blocks (the README's run in tests/test_readme.py)."""
     return [
         (f"{page.name}[{i}]", code)
         for page in sorted(DOCS.glob("*.md"))

@@ -122,7 +122,8 @@ def test_dcp_folder_input(tmp_path: Path) -> None:
         {"model": nn.DataParallel(model).state_dict(), "epoch": 4}, checkpoint_id=str(tmp_path / "dcp"), **SAVE_ALONE
     )
     code, _, err = run("convert", tmp_path / "dcp", tmp_path / "out.pt")
-    assert code == 0 and "loaded with torch" not in err  # copied chunk by chunk, torch-free (tests/test_dcp_stream.py)
+    # copied chunk by chunk, torch-free (tests/formats/test_dcp_stream.py)
+    assert code == 0 and "loaded with torch" not in err
     restored = TinyNet()
     restored.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True)["model"], strict=True)
     assert all(
@@ -183,7 +184,7 @@ def test_truncated_source_leaves_no_output(fixtures_dir: Path, tmp_path: Path) -
 
 
 def test_code_payload_never_runs_through_any_command(tmp_path: Path) -> None:
-    from tests.test_load import _Payload
+    from tests.ops.test_load import _Payload
 
     marker = tmp_path / "PAYLOAD_RAN"
     evil = tmp_path / "evil.pt"
@@ -355,7 +356,7 @@ def test_an_output_that_fails_its_own_check_is_never_published(tmp_path: Path, m
     DST as it was."""
     from safetensors.torch import save_file
 
-    import ckptkit.ops.convert_job as fp
+    import ckptkit.formats.safetensors.format as fp
 
     save_file({"teacher.w": torch.arange(1000.0), "student.w": torch.arange(1010.0)}, tmp_path / "both.safetensors")
     dst = tmp_path / "s.safetensors"
@@ -393,9 +394,9 @@ def test_a_torch_zip_whose_pickle_was_damaged_in_writing_is_never_published(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The check reads data.pkl's CRC-32 whatever the stand-ins make of the pickle."""
-    import ckptkit.ops.write as write
+    import ckptkit.formats.torchzip.torch as write
 
-    real = write.write_to
+    real = write.write
 
     def damaging(f: Any, *args: Any, **kwargs: Any) -> None:
         real(f, *args, **kwargs)
@@ -408,7 +409,7 @@ def test_a_torch_zip_whose_pickle_was_damaged_in_writing_is_never_published(
             g.seek(at)
             g.write(bytes([byte ^ 0xFF]))
 
-    monkeypatch.setattr(write, "write_to", damaging)
+    monkeypatch.setattr(write, "write", damaging)
     dst = tmp_path / "m.pt"
     with pytest.raises(ckptkit.errors.CheckpointWriteError, match="fails its own check"):
         ckptkit.write_checkpoint({"w": torch.ones(2), "ns": collections.defaultdict(list)}, dst)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.test_exits import cli, lines, run  # one home for the CLI runners
 from tests.conftest import ROOT
-from tests.test_cli_exits import cli, lines, run  # one home for the CLI runners
 
 # -- the trainer's launcher: one line, the right exit code, nothing left ---------------
 
@@ -124,7 +124,7 @@ def test_rerunning_a_finished_run_says_how_to_train_on(tmp_path: Path) -> None:
 
 
 def _workers_started(pid: int) -> bool:
-    from tests.test_train import descendants
+    from tests.train.test_trainer import descendants
 
     for child in descendants(pid):
         try:
@@ -159,7 +159,7 @@ def test_a_signal_before_the_first_save_exits_130_in_one_line(tmp_path: Path, wh
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.005)
         time.sleep(0 if when == "as the workers start" else 1.0)
-    from tests.test_train import descendants
+    from tests.train.test_trainer import descendants
 
     workers = descendants(proc.pid)
     proc.send_signal(signal.SIGINT)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptkit.io.atomic import TMP_SUFFIX
-from tests import dist_workers as w
+from tests.distributed import dist_workers as w
 from tests.group import ok_values, run_group
 
 pytestmark = pytest.mark.dist

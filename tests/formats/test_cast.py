@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import ckptkit
 from ckptkit.cli import main
 from ckptkit.formats.cast import cast_bytes
-from tests.test_crc import flip
+from tests.io.test_crc import flip
 from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import run_torch_free
 

@@ -32,7 +32,7 @@ from ckptkit.formats.torchzip.writer import write_torch_zip
 from ckptkit.io.atomic import TMP_SUFFIX
 from tests.torchfree import run_torch_free
 
-DS = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed"
+DS = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed"
 CASES = [(mode, stage) for mode in ("bf16", "fp32") for stage in (1, 2, 3)]
 VOCAB, DIM, HIDDEN, SEQ = 37, 8, 13, 6
 
@@ -263,7 +263,7 @@ def test_upcast_matches_torch() -> None:
 @pytest.mark.slow
 def test_regenerated_with_deepspeed_matches(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
-    script = Path(__file__).resolve().parent.parent / "fixtures" / "make_deepspeed_fixtures.py"
+    script = Path(__file__).resolve().parents[2] / "fixtures" / "make_deepspeed_fixtures.py"
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

@@ -26,7 +26,7 @@ from ckptkit.cli import main
 from fixtures.make_hf_fixtures import MAX_SHARD_SIZE, hf_state_dict
 from fixtures.models import TiedLM, TinyNet
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 HF = FIXTURES / "hf"
 TMP_SUFFIX = ".ckptkit-tmp"
 INDEX = {"safetensors": "model.safetensors.index.json", "bin": "pytorch_model.bin.index.json"}

@@ -31,7 +31,7 @@ from ckptkit.errors import UnsafeCheckpointError
 from ckptkit.prefix import rewrite_prefixes
 from tests.torchfree import limited_memory, run_torch_free
 
-PICKLED = Path(__file__).resolve().parent.parent / "fixtures" / "pickled"
+PICKLED = Path(__file__).resolve().parents[2] / "fixtures" / "pickled"
 NAMES = ["plain", "dp", "ddp", "compiled", "compiled_ran", "dp_of_compiled", "gone"]
 DESCRIPTIONS = {
     "plain": "ToyCNN",

@@ -28,9 +28,9 @@ from fixtures.make_framework_fixtures import (
     tiny_gpt2,
     torchvision_importable,
 )
-from tests.test_cli import run
+from tests.cli.test_cli import run
 
-FW = Path(__file__).resolve().parent.parent / "fixtures" / "frameworks"
+FW = Path(__file__).resolve().parents[2] / "fixtures" / "frameworks"
 NAMESPACE = ["argparse.Namespace"]  # timm train.py's args
 # (fixture, producer, weights, EMA copy, what to read it with)
 CASES = [

@@ -206,7 +206,7 @@ def test_verify_advice_admits_the_load(tmp_path: Path, name: str) -> None:
 def test_names_come_from_loading_not_only_from_the_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A static scan that misses globals (as it once missed numpy.dtypes classes, as torch's own
     get_unsafe_globals_in_checkpoint still does) no longer makes advice that fails when followed."""
-    import ckptkit.ops.safety as safety
+    import ckptkit.formats.pickles.safety as safety
     from ckptkit.formats.pickles.scan import checkpoint_globals
 
     path = _save(tmp_path, "mmengine")
@@ -257,7 +257,7 @@ def test_advice_that_cannot_work_is_not_given(tmp_path: Path) -> None:
 def test_torch_reason_is_never_empty() -> None:
     """torch puts some reasons on the lines after "WeightsUnpickler error:"; reading only that line
     once made "torch cannot load this checkpoint...:" end in nothing."""
-    from ckptkit.ops.safety import torch_reason
+    from ckptkit.formats.pickles.safety import torch_reason
 
     e = __import__("pickle").UnpicklingError(
         "Weights only load failed. Please file an issue: WeightsUnpickler error: \n\nUnsupported operand 149"

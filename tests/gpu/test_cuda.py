@@ -18,7 +18,7 @@ import torch
 import ckptkit
 from fixtures.models import TiedLM, TinyNet
 from tests.group import ok_values, run_group
-from tests.test_train import assert_same_tree
+from tests.train.test_trainer import assert_same_tree
 
 pytestmark = [
     pytest.mark.cuda,
@@ -230,20 +230,20 @@ def _deterministic_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _gpu_run(out: Path, nproc: int, *args: str) -> int:
-    from tests.test_train import finish, launch
+    from tests.train.test_trainer import finish, launch
 
     return finish(launch(out, nproc, "--device", "cuda", *args), timeout=600)
 
 
 def _start(out: Path) -> dict:
-    from tests.test_train import records
+    from tests.train.test_trainer import records
 
     return [r for r in records(out) if r.get("event") == "start"][0]
 
 
 def _stopped_then_resumed(out: Path, *args: str, stop_at: int = 13, sig: int = signal.SIGTERM) -> None:
     """One GPU: stop the run at ``stop_at`` with ``sig`` (SIGTERM saves first; SIGKILL does not), then resume it."""
-    from tests.test_train import finish, kill_tree, launch, records, wait_for_step, worker
+    from tests.train.test_trainer import finish, kill_tree, launch, records, wait_for_step, worker
 
     proc = launch(out, 1, "--device", "cuda", *args)
     wait_for_step(out, stop_at, proc, timeout=300)
@@ -276,7 +276,7 @@ def test_trainer_two_processes_share_one_gpu_over_gloo(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_trainer_amp_modes_resume_bit_exact(tmp_path: Path, amp: str) -> None:
-    from tests.test_train import assert_same_final, last_checkpoint
+    from tests.train.test_trainer import assert_same_final, last_checkpoint
 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert _gpu_run(straight, 1, "--amp", amp) == 0
@@ -297,7 +297,7 @@ def test_trainer_sync_bn(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 def test_trainer_kill_9_and_resume_on_gpu_is_bit_exact(tmp_path: Path) -> None:
-    from tests.test_train import assert_same_final
+    from tests.train.test_trainer import assert_same_final
 
     straight = tmp_path / "straight"
     assert _gpu_run(straight, 1) == 0

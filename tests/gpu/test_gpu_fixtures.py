@@ -12,8 +12,8 @@ import torch
 
 import ckptkit
 from fixtures.models import TinyNet
-from tests.test_cuda import _cpu, _locations
-from tests.test_train import assert_same_tree
+from tests.gpu.test_cuda import _cpu, _locations
+from tests.train.test_trainer import assert_same_tree
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ import torch
 
 import ckptkit
 from ckptkit.io import remote
+from tests.cli.test_exits import lines, run
 from tests.conftest import ROOT
-from tests.test_cli_exits import lines, run
 
 moto_server = pytest.importorskip("moto.server", reason="moto is not installed: the tests need a local S3 server")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed: pip install 'ckptkit[s3]'")

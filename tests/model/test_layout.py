@@ -20,7 +20,7 @@ import ckptkit
 from ckptkit.errors import StateDictMismatchError
 from fixtures.models import TinyNet
 
-LIGHTNING = Path(__file__).resolve().parent.parent / "fixtures" / "lightning"
+LIGHTNING = Path(__file__).resolve().parents[2] / "fixtures" / "lightning"
 COMPILED = LIGHTNING / "compiled_net.ckpt"
 DISTIL = LIGHTNING / "teacher_student.ckpt"
 

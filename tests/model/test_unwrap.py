@@ -12,8 +12,8 @@ from torch.optim.swa_utils import AveragedModel
 
 import ckptkit
 from fixtures.models import TinyNet
-from tests.test_cli import run
-from tests.test_train import assert_same_tree
+from tests.cli.test_cli import run
+from tests.train.test_trainer import assert_same_tree
 
 
 def _averaged(wrap: bool) -> tuple[AveragedModel, dict[str, torch.Tensor]]:

@@ -164,8 +164,8 @@ def test_numpy_rng_state_dataclasses_and_arrays_become_plain_values(tmp_path: Pa
     assert new["stats"]["labels"] == ["a", "b"]
     assert_weights_identical(new["model"], old["model"])
     assert report.sanitized == [
-        "config: tests.test_sanitize.ModelConfig (a dataclass) -> dict",
-        "config/optim: tests.test_sanitize.OptimConfig (a dataclass) -> dict",
+        "config: tests.ops.test_sanitize.ModelConfig (a dataclass) -> dict",
+        "config/optim: tests.ops.test_sanitize.OptimConfig (a dataclass) -> dict",
         "config/mean: numpy.ndarray float32 (2,) -> tensor float32",
         "rng/numpy: numpy RNG state (np.random.get_state()'s MT19937 tuple) -> plain values (np.random.set_state takes them)",
         "generator: numpy RNG state (PCG64 bit_generator.state) -> plain values (arrays as lists)",
@@ -194,8 +194,8 @@ def test_an_unknown_class_is_refused_naming_its_key_path_and_class(tmp_path: Pat
     with pytest.raises(ckptkit.errors.UnsupportedCheckpointError) as e:
         ckptkit.convert_checkpoint(tmp_path / "old.pt", tmp_path / "clean.pt", trust=True, sanitize=True)
     message = str(e.value)
-    assert "extra/hooks/0 is a tests.test_sanitize.Opaque" in message and "model_only=True" in message
-    assert "add_safe_globals([tests.test_sanitize.Opaque])" in message
+    assert "extra/hooks/0 is a tests.ops.test_sanitize.Opaque" in message and "model_only=True" in message
+    assert "add_safe_globals([tests.ops.test_sanitize.Opaque])" in message
     assert not (tmp_path / "clean.pt").exists()
 
 
@@ -224,7 +224,7 @@ def test_the_cli_shows_each_change_and_exits_right(tmp_path: Path) -> None:
     result = run("convert", tmp_path / "bad.pt", tmp_path / "out.pt", "--trust", "--sanitize")
     assert (
         result.exit_code == 1
-        and "x is a tests.test_sanitize.Opaque" in result.stderr
+        and "x is a tests.ops.test_sanitize.Opaque" in result.stderr
         and "--model-only" in result.stderr
     )
     assert "Traceback" not in result.output and not (tmp_path / "out.pt").exists()

@@ -139,7 +139,7 @@ def test_safetensors_dtypes(tmp_path: Path, dtype: torch.dtype) -> None:
 
 def test_async_staging_records_the_device_the_tensors_came_from(tmp_path: Path) -> None:
     """A staged host copy of a GPU tensor is saved with the GPU's tag, as a sync save would be
-    (tests/test_cuda.py checks the whole path on a GPU; this checks the tagging on any machine)."""
+    (tests/gpu/test_cuda.py checks the whole path on a GPU; this checks the tagging on any machine)."""
     from ckptkit.formats.pickles import reader as torchpickle
     from ckptkit.formats.torchzip.container import TorchZip
     from ckptkit.ops.async_save import _STAGED_TAGS, _tag_as
@@ -163,7 +163,7 @@ def test_async_staging_records_the_device_the_tensors_came_from(tmp_path: Path) 
 
 def test_a_staged_zero_size_copy_tags_no_other_zero_size_storage(tmp_path: Path) -> None:
     """Every zero-size storage has data_ptr 0: tags keyed by it tagged them all (issue 24, defect 4;
-    tests/test_cuda.py has the whole path, an async save of a zero-size CUDA tensor)."""
+    tests/gpu/test_cuda.py has the whole path, an async save of a zero-size CUDA tensor)."""
     from ckptkit.formats.pickles import reader as torchpickle
     from ckptkit.formats.torchzip.container import TorchZip
     from ckptkit.ops.async_save import _STAGED_TAGS, _tag_as

@@ -66,7 +66,7 @@ input is a regression fixture (`fixtures/regressions/`) or a test.
   pickle walk also accepted tensor views whose stride count or extent did not fit the storage,
   and `verify` did not parse `ckptkit.aliases`. ckptkit now checks what torch checks (and the
   CRC-32s of the small metadata records it reads, which torch skips), no more:
-  `tests/test_torch_agreement.py` has one file per rule that torch refuses, and odd files that
+  `tests/formats/test_torchzip.py` has one file per rule that torch refuses, and odd files that
   torch reads must still verify and convert.
 - With that oracle the fuzzer (`--stress 4`) then found a record whose zip attributes mark it
   as a folder: miniz treats it as one, and torch.load failed decoding

@@ -166,7 +166,7 @@ def test_regression_inputs(tmp_path: Path, name: str, tally: Counter[str]) -> No
 
 @pytest.mark.dist
 def test_trainer_survives_kill_9_and_worker_death(tmp_path: Path, stress: int, tally: Counter[str]) -> None:
-    from tests.test_train import assert_same_final, finish, kill_tree, launch, records, wait_for_step, worker
+    from tests.train.test_trainer import assert_same_final, finish, kill_tree, launch, records, wait_for_step, worker
 
     straight = tmp_path / "straight"
     assert finish(launch(straight, 2)) == 0

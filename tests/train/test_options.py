@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 import ckptkit
 from fixtures.models import TinyNet
-from tests.test_train import finish, kill_tree, launch, records, wait_for_step
+from tests.train.test_trainer import finish, kill_tree, launch, records, wait_for_step
 
-# 512 samples, batch 32 on 2 ranks: 8 micro-batches a rank per epoch, 4 epochs (tests.test_train's COMMON).
+# 512 samples, batch 32 on 2 ranks: 8 micro-batches a rank per epoch, 4 epochs (tests.train.test_trainer's COMMON).
 CASES = {
     "amp bf16": (["--amp", "bf16"], 32),
     "amp fp16 with a GradScaler on the CPU": (["--amp", "fp16"], 32),

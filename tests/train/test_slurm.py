@@ -1,5 +1,5 @@
 """The trainer under SLURM: srun's ranks, and requeue on the requeue signal, against a real
-single-node SLURM (tests/slurm_cluster.py) running examples/slurm/train.sbatch as written.
+single-node SLURM (tests/train/slurm_cluster.py) running examples/slurm/train.sbatch as written.
 
 The slow tests signal the batch script themselves (``scancel --signal=USR1 --batch``, what
 ``#SBATCH --signal=B:USR1@90`` does), except the one about the time limit.
@@ -19,8 +19,8 @@ import pytest
 from ckptkit.errors import DistributedError
 from ckptkit.train.slurm import Outcome, expand_nodelist, port_for_job, requeue, restarts, torch_env
 from tests.conftest import ROOT
-from tests.slurm_cluster import SlurmCluster, missing_binaries
-from tests.test_train import assert_same_final, last_checkpoint, records
+from tests.train.slurm_cluster import SlurmCluster, missing_binaries
+from tests.train.test_trainer import assert_same_final, last_checkpoint, records
 
 SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
 # 512 samples, batch 32: 8 steps an epoch on 2 tasks; long enough that a signal lands mid-run.

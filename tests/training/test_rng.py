@@ -32,5 +32,5 @@ def test_cuda_state_is_absent_without_cuda() -> None:
     if torch.cuda.is_available():
         import pytest
 
-        pytest.skip("CUDA present: tests/test_cuda.py covers its state")
+        pytest.skip("CUDA present: tests/gpu/test_cuda.py covers its state")
     assert capture_rng_state()["cuda"] is None
