@@ -47,6 +47,11 @@ _PUBLIC: dict[str, str] = {
     "unwrap_model": ".model.unwrap",
     "strip_prefix": ".prefix",
     "add_prefix": ".prefix",
+    # What the operations return: typed, so callers can annotate against them.
+    "ConvertReport": ".ops.reports",
+    "VerifyReport": ".ops.verify",
+    "DiffReport": ".ops.diff",
+    "CheckpointSummary": ".ops.inspect",
 }
 
 # The public submodules, imported on first use like the names above.
@@ -76,14 +81,15 @@ if TYPE_CHECKING:
     from .model.unwrap import unwrap_model
     from .ops.async_save import AsyncSaver
     from .ops.convert import convert_checkpoint
-    from .ops.diff import diff_checkpoints
+    from .ops.diff import DiffReport, diff_checkpoints
     from .ops.folder import CheckpointFolder
-    from .ops.inspect import inspect_checkpoint
+    from .ops.inspect import CheckpointSummary, inspect_checkpoint
     from .ops.load import load_for_rank
     from .ops.read import read_checkpoint
+    from .ops.reports import ConvertReport
     from .ops.resume import TrainingState, load_training_state
     from .ops.save import save_on_master, save_training_state
-    from .ops.verify import verify_checkpoint
+    from .ops.verify import VerifyReport, verify_checkpoint
     from .ops.write import write_checkpoint
     from .prefix import add_prefix, strip_prefix
     from .training.sampler import ResumableDistributedSampler

@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 
+# The fix for a map_location naming CUDA where there is none (torch's reader and ckptkit's check say it).
+NO_CUDA_FIX = 'pass map_location="cpu", or leave it out to load onto this rank\'s device'
+
+
 class CkptkitError(Exception):
     """Base class of every error ckptkit raises on purpose."""
 

@@ -1,7 +1,7 @@
 """rich rendering for the CLI: tables to stdout, progress to stderr (terminals only).
 
 rich is imported inside the functions that draw: ``ckptkit --help`` and the commands' error
-paths then start without it (tests/test_cli.py's test_help_is_fast_to_import).
+paths then start without it (tests/cli/test_cli.py's test_help_is_fast_to_import).
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ArgumentError
+from ..errors import NO_CUDA_FIX, ArgumentError
 from . import collectives
 
 MapLocation = Any  # str | torch.device | dict[str, str] | Callable[[storage, str], storage]
-NO_CUDA_FIX = 'pass map_location="cpu", or leave it out to load onto this rank\'s device'
 
 
 def device_for_rank(
@@ -79,3 +78,29 @@ def single_device(map_location: MapLocation, source: str, kind: str) -> str:
         check_device(map_location, source)
         return str(map_location)
     raise ArgumentError(f'{source}: {kind} takes a device as map_location ("cpu", "cuda:0"), not {map_location!r}')
+
+
+class Placement:
+    """Where a read puts tensors, from the caller's ``map_location`` (None: this rank's device),
+    resolved once for whichever format the source turns out to be.
+
+    Example:
+        >>> Placement("cpu", "ckpt.pt").device("ckpt.pt", "a safetensors file")
+        'cpu'
+    """
+
+    def __init__(self, map_location: MapLocation, source: str) -> None:
+        self._requested, self._source = map_location, source
+
+    @property
+    def map_location(self) -> MapLocation:
+        """For formats whose storages record their device (torch's): accelerator storages to this
+        rank's device and CPU ones to the CPU by default, else the caller's, checked."""
+        if self._requested is None:
+            return restore_to(device_for_rank())
+        check_device(self._requested, self._source)
+        return self._requested
+
+    def device(self, source: str, what: str) -> str:
+        """For formats that record none (safetensors, DCP, ZeRO): the one device."""
+        return single_device(self._requested, source, what)

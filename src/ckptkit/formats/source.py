@@ -22,11 +22,14 @@ from ..errors import CheckpointFormatError
 from ..io.fileio import copy_range
 from .detect import DCP, HF, SAFETENSORS, ZIP, detect_format
 from .dtypes import BY_SAFETENSORS
-from .entry import Bytes
+from .entry import Bytes, Entry
+from .hf.folders import describe_folder
 from .hf.index import HfIndex, check_shard_keys, read_index
 from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .pickles import reader as lp
+from .producers import Producer
 from .safetensors.codec import insert_aliases, parse_aliases, parse_crcs, read_header
+from .spec import Info, TensorInfo
 from .torchzip import modulepickle as mp
 from .torchzip.bounds import check_tensors
 from .torchzip.container import Record, TorchZip
@@ -72,6 +75,45 @@ class Source:
 
     def __post_init__(self) -> None:
         self.damage = Damage(str(self.path), self._name)
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        return checkpoint_bytes(self.path, self.fmt)
+
+    @property
+    def notes(self) -> list[str]:
+        return []
+
+    @property
+    def pickled_module(self) -> str:
+        return self.module
+
+    def output_metadata(self) -> dict[str, str]:
+        return (self.metadata or {}) if self.fmt == SAFETENSORS else {"format": "pt"}
+
+    def is_leaf(self, value: Any) -> bool:
+        return is_leaf(value)
+
+    def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
+        """Names, shapes, dtypes and storages from the pickle or header alone; a Trainer,
+        Accelerate or ``save_pretrained`` folder named by what its files are."""
+
+        def info(name: str, ref: Any) -> tuple[TensorInfo, Any, int]:
+            if isinstance(ref, StRef):  # an alias is the same object as its target
+                dtype = BY_SAFETENSORS[ref.dtype].name if ref.dtype in BY_SAFETENSORS else ref.dtype
+                return TensorInfo(name, list(ref.shape), dtype, "cpu", ref.length), id(ref), ref.length
+            t = lp.tensor_of(ref)
+            if t is None:
+                raise CheckpointFormatError(f"{self.path}: entry {name} is not a tensor")
+            storage = (id(self.part(ref)), t.storage.key)  # keys repeat across shards
+            return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), storage, lp.storage_nbytes(t.storage)
+
+        producer = describe_folder(self.path) if self.fmt == HF and self.path.is_dir() else None
+        return info, dict(self.metadata or {}), producer
 
     def part(self, leaf: Any) -> Source:
         """The (single-file) Source whose file holds ``leaf``'s bytes."""
@@ -123,10 +165,12 @@ class Source:
             complete=whole,
         )
 
-    def records(self) -> dict[str, Bytes]:
-        """A torch zip's storage records by key, as entries that copy each record as it is."""
-        assert self.zip is not None  # a torch zip file
-        z, out = self.zip, {}
+    def records(self) -> tuple[dict[str, Entry], str, str] | None:
+        """A torch zip's storage records by key, as entries that copy each record as it is, with
+        the zip's record prefix and byte order; None for other formats."""
+        if self.zip is None:
+            return None
+        z, out = self.zip, dict[str, Entry]()
         data = f"{z.prefix}data/"
         for rec in z.records:
             if not rec.name.startswith(data):
@@ -150,7 +194,7 @@ class Source:
                     crc=rec.crc,
                     zip=(rec.method, rec.size),
                 )
-        return out
+        return out, z.prefix, z.byteorder
 
     def _copier(self, part: Source, offset: int, length: int, crc: int | None, key: Any) -> Any:
         def copy(f: BinaryIO, progress: Any) -> int:

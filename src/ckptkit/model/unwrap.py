@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..formats.producers import averaged_count
 
+if TYPE_CHECKING:
+    import torch
 
-def unwrap_model(model: Any) -> Any:
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Return the module inside DDP / DataParallel / torch.compile wrappers, in any nesting.
 
     FSDP is left alone: its state dict is sharded and needs its own API.
@@ -27,7 +30,7 @@ def unwrap_model(model: Any) -> Any:
     while True:
         # OptimizedModule lives in torch._dynamo, whose import costs seconds; match it by name.
         if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+            model = model._orig_mod  # type: ignore[assignment]  # a Module, whatever nn.Module.__getattr__ says
         elif isinstance(model, (DataParallel, DistributedDataParallel)):
             model = model.module
         else:

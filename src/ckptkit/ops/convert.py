@@ -15,24 +15,23 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import ArgumentError, spell
-from ..formats import source as fp
+from ..formats import registry
 from ..formats.cast import Cast, target_dtype
-from ..formats.dcp import stream as dcps
-from ..formats.deepspeed import stream as dss
 from ..formats.deepspeed.files import check_zero_source
-from ..formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, Format, check_exists, detect_format, is_dcp_file
+from ..formats.detect import HF, check_exists
 from ..formats.hf.index import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..formats.hf.write import check_destination
 from ..formats.integrity import check_recorded_crcs
 from ..formats.pickles.reader import UnsupportedGlobal
+from ..formats.pickles.safety import MODULE_WALK, AllowGlobals, unsafe_error
+from ..formats.source import NeedsTorch
+from ..formats.spec import CheckpointFormat, View, WritePlan
 from ..formats.torchzip import modulepickle as mp
 from ..io.atomicdir import check_folder_destination
-from ..io.remote import is_url
-from .convert_job import Job, convert_remote, fast_cast, fast_write
-from .pickled import pickled_module_name
+from ..io.store import locate
+from .convert_job import Job, TorchView, fast_cast, staged_convert
 from .reports import ConvertReport
-from .safety import MODULE_WALK, AllowGlobals, unsafe_error
-from .write import SUFFIX_FORMATS, format_for, write_to
+from .write import format_for
 
 
 def _dcp_flag() -> str:
@@ -51,7 +50,7 @@ def _source_files(src: Path) -> list[Path]:
 def _check_folder_name(dest: Path, option: str) -> None:
     """Refuse a new folder named like a file (``out.safetensors``), unless the name ends with ``/``
     (Lightning names its sharded checkpoint folders ``epoch=0-step=10.ckpt``)."""
-    if dest.suffix.lower() in SUFFIX_FORMATS:
+    if dest.suffix.lower() in registry.SUFFIXES:
         raise ArgumentError(
             f"{dest} names a {dest.suffix} file, but {option} writes a folder; name the folder without "
             f"the suffix ({dest.with_suffix('')}/) or end the name with / to keep it ({dest}/), "
@@ -59,10 +58,13 @@ def _check_folder_name(dest: Path, option: str) -> None:
         )
 
 
-def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> Format:
-    if format == DCP:  # a folder DCP's writer fills; anything else in it would go with it
-        check_folder_destination(src, dst, force=force, owned=is_dcp_file, what="DCP files")
-        return DCP
+def _check_paths(src: Path, dst: Path, force: bool, format: Literal["dcp"] | None) -> CheckpointFormat:
+    if format is not None:  # a folder its format's writer fills; anything else in it would go with it
+        out = registry.get(format)
+        assert out.owns is not None  # a format chosen by name writes a folder of its own
+        owned, what = out.owns
+        check_folder_destination(src, dst, force=force, owned=owned, what=what)
+        return out
     fmt = format_for(dst, default=None)
     if dst.exists():
         if any(os.path.samefile(f, dst) for f in _source_files(src)):
@@ -163,9 +165,30 @@ def convert_checkpoint(
         >>> convert_checkpoint("old.pt", "clean.pt", trust=True, sanitize=True, dtype="bf16")  # doctest: +SKIP
         >>> convert_checkpoint("s3://bucket/ddp.pt", "single.pt")  # doctest: +SKIP
     """
-    if is_url(src) or is_url(dst):  # every option as given (locals() holds only them here), for the local convert
-        options = {k: v for k, v in locals().items() if k not in ("src", "dst")}
-        return convert_remote(src, dst, convert_checkpoint, **options)
+    options = {k: v for k, v in locals().items() if k not in ("src", "dst")}  # every option as given
+    return staged_convert(locate(src), locate(dst), _convert, **options)
+
+
+def _convert(
+    src: str,
+    dst: str,
+    *,
+    to: Literal["single", "ddp", "keep"],
+    strip: Iterable[str],
+    add: Iterable[str],
+    model_only: bool,
+    key: str | None,
+    trust: bool,
+    allow_globals: AllowGlobals,
+    force: bool,
+    progress: Callable[[int, int], None] | None,
+    max_shard_size: int | str | None,
+    format: Literal["dcp"] | None,
+    zero_weights: Literal["fp32", "module"],
+    dtype: Literal["bf16", "fp16", "fp32"] | None,
+    sanitize: bool,
+) -> ConvertReport:
+    """:func:`convert_checkpoint` between local paths."""
     if to not in ("single", "ddp", "keep"):
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     if dtype is not None:
@@ -178,9 +201,11 @@ def convert_checkpoint(
         )
     source, dest = Path(src), Path(dst)
     check_exists(source)
-    if format not in (None, DCP):
-        raise ArgumentError(f"format must be 'dcp' or None (the format DST's suffix names), not {format!r}")
-    if format == DCP and max_shard_size is not None:
+    by_name = [f.name for f in registry.FORMATS.values() if f.owns is not None]  # folders written by name
+    if format is not None and format not in by_name:
+        names = " or ".join(repr(n) for n in by_name)
+        raise ArgumentError(f"format must be {names} or None (the format DST's suffix names), not {format!r}")
+    if format is not None and max_shard_size is not None:
         shard = spell("max_shard_size", "--max-shard-size")
         raise ArgumentError(
             f"{shard} is for Hugging Face shards; {_dcp_flag()} writes one DCP folder, so leave {shard} out"
@@ -188,53 +213,22 @@ def convert_checkpoint(
     said_folder = os.fspath(dst).endswith(("/", os.sep)) or dest.is_dir()
     folder = format is None and (max_shard_size is not None or said_folder)
     limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
-    if (folder or format == DCP) and not said_folder:
+    if (folder or format is not None) and not said_folder:
         _check_folder_name(dest, spell("max_shard_size", "--max-shard-size") if folder else _dcp_flag())
     if folder:
         check_destination(source, dest, force=force)
-    out_fmt = HF if folder else _check_paths(source, dest, force, format)
-    in_fmt = detect_format(source)
-    check_zero_source(source, in_fmt, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
+    out_fmt = registry.get(HF) if folder else _check_paths(source, dest, force, format)
+    in_fmt = registry.detect(source)
+    check_zero_source(source, in_fmt.name, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
     job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
-    total = fp.checkpoint_bytes(source, in_fmt)
-    report_progress = (lambda n: progress(n, total)) if progress else None
-    reason = "DCP output: written by torch.distributed.checkpoint" if out_fmt == DCP else ""
-    reason = reason or (
-        "trusted file: loaded with torch" if trust and in_fmt != DEEPSPEED else ""
-    )  # ZeRO: nothing to trust
-    if not reason and in_fmt in (ZIP, SAFETENSORS, HF, DCP, DEEPSPEED):
+    job.plan = WritePlan(max_shard_size=limit, source=str(source))
+    reason = _why_torch(in_fmt, out_fmt, trust)
+    if not reason:
+        assert in_fmt.open is not None  # _why_torch says so otherwise
         try:
-            view = (
-                dss.open_deepspeed(source, zero_weights=zero_weights)
-                if in_fmt == DEEPSPEED
-                else dcps.open_dcp(source, lazy=True)
-                if in_fmt == DCP
-                else fp.open_source(source, in_fmt)
-            )
+            view = in_fmt.open(source, lazy=True, zero_weights=zero_weights)
             try:
-                total = (
-                    view.nbytes if isinstance(view, dss.DsSource) else total
-                )  # its partitions, not the optimizer states
-                is_leaf = (
-                    dcps.is_leaf
-                    if isinstance(view, dcps.DcpSource)
-                    else dss.is_leaf
-                    if isinstance(view, dss.DsSource)
-                    else fp.is_leaf
-                )
-                cast = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
-                job.cast = fast_cast(view, cast) if cast else None
-                report = job.run(
-                    view.obj, is_leaf, lambda f, obj, sd: fast_write(f, view, obj, sd, job, limit, report_progress)
-                )
-                report.pickled_module = view.module if isinstance(view, fp.Source) else ""
-                report.notes += [f"{view.description}: {view.weights_from}"] if isinstance(view, dss.DsSource) else []
-                report.notes += cast.notes() if cast else []
-                report.cast = list(cast.names) if cast else []
-                report.notes += [
-                    "sanitize: nothing to change (the weights were read without unpickling anything)"
-                ] * sanitize
-                return report
+                return _copy(view, job, progress=progress, dtype=dtype, sanitize=sanitize)
             finally:
                 view.close()
         except mp.UnsafeModulePickle as e:
@@ -245,19 +239,16 @@ def convert_checkpoint(
             reason = "pickled module with allowed globals: loaded with torch"
         except UnsupportedGlobal as e:
             reason = f"{e.name} is not modelled by the fast path: loaded with torch"
-        except fp.NeedsTorch as e:
+        except NeedsTorch as e:
             reason = f"{e}: loaded with torch"
-    elif not reason:
-        reason = f"{in_fmt} input: loaded with torch"
-    from .read import read_checkpoint, read_deepspeed  # deferred: torch is imported only when this path is taken
+    from .read import read_source  # deferred: torch is imported only when this path is taken
 
-    obj = (
-        read_deepspeed(source, map_location="cpu", zero_weights=zero_weights)
-        if in_fmt == DEEPSPEED
-        else read_checkpoint(source, map_location="cpu", trust=trust, allow_globals=allow_globals)
+    obj = read_source(
+        str(source), map_location="cpu", trust=trust, allow_globals=allow_globals, zero_weights=zero_weights
     )
+    view = TorchView(obj, source, in_fmt)
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
-    check_recorded_crcs(source, in_fmt, progress=report_progress)
+    check_recorded_crcs(source, in_fmt.name, progress=_progress(progress, view.nbytes))
     cast, changes = Cast(dtype) if dtype else None, []
     if cast is not None:
         from .torchcast import cast_tensors  # deferred with torch, as above
@@ -272,18 +263,7 @@ def convert_checkpoint(
             return plain
 
         job.finish = finish
-    if out_fmt == HF:
-        from ..formats.hf.torch import save_shards  # deferred with torch, as above
-
-        report = job.run(obj, None, lambda _, obj, state: save_shards(state, dest, max_shard_size=limit))
-    elif out_fmt == DCP:
-        from .dcp_write import write_dcp  # deferred with torch, as above
-
-        report = job.run(obj, None, lambda _, obj, state: write_dcp(obj, dest))
-    else:
-        report = job.run(
-            obj, None, lambda f, obj, state: write_to(f, state if out_fmt == SAFETENSORS else obj, out_fmt, dest)
-        )
+    report = job.run(view)
     report.fast, report.fallback_reason = False, reason
     report.notes += cast.notes() if cast else []
     report.cast, report.sanitized = list(cast.names) if cast else [], changes
@@ -293,8 +273,46 @@ def convert_checkpoint(
             if changes
             else "sanitize: nothing to change (torch.load(weights_only=True) reads it as it was)"
         )
-    if trust and in_fmt == ZIP:  # read by the same inert walk (_torchload), if it is a whole module
-        report.pickled_module = pickled_module_name(source)
+    if trust and in_fmt.module_name is not None:  # read by the same inert walk, if it is a whole module
+        report.pickled_module = in_fmt.module_name(source)
         if report.pickled_module:  # nothing of the pickle was run: only its tensors went through torch
             report.fallback_reason = "trusted file: its tensors were read through torch"
+    return report
+
+
+def _why_torch(in_fmt: CheckpointFormat, out_fmt: CheckpointFormat, trust: bool) -> str:
+    """Why this convert goes through torch from the start ("": the torch-free copy is tried first)."""
+    if out_fmt.write_entries is None:
+        return f"{out_fmt.name} output: written by torch"
+    if trust and in_fmt.trust_matters:
+        return "trusted file: loaded with torch"
+    if in_fmt.open is None:
+        return f"{in_fmt.name} input: loaded with torch"
+    return ""
+
+
+def _progress(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None] | None:
+    return (lambda n: progress(n, total)) if progress else None
+
+
+def _copy(
+    view: View,
+    job: Job,
+    *,
+    progress: Callable[[int, int], None] | None,
+    dtype: Literal["bf16", "fp16", "fp32"] | None,
+    sanitize: bool,
+) -> ConvertReport:
+    """The torch-free convert: ``view``'s entries renamed (and cast while copied) into the output
+    format's writer, every byte checked against its source's CRC-32."""
+    job.plan.progress = _progress(progress, view.nbytes)
+    cast = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
+    job.cast = fast_cast(view, cast) if cast else None
+    job.plan.copy_storages = cast is None
+    report = job.run(view)
+    report.pickled_module = view.pickled_module
+    report.notes += view.notes
+    report.notes += cast.notes() if cast else []
+    report.cast = list(cast.names) if cast else []
+    report.notes += ["sanitize: nothing to change (the weights were read without unpickling anything)"] * sanitize
     return report

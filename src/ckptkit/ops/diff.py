@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.hf.index import shard_note
+from ..formats.pickles.safety import AllowGlobals
 from ..model.layout import find_model_state
 from ..prefix import rewrite_prefixes
-from .safety import AllowGlobals
 
 
 @dataclass

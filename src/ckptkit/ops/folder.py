@@ -8,9 +8,7 @@ from pathlib import Path
 
 from ..distributed import collectives as _dist
 from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, CheckpointWriteError, CkptkitError
-from ..io.atomic import atomic_write
-from ..io.remote import delete, exists, is_url, join, list_names, name_of, read_small
-from ..io.upload import write_small
+from ..io.store import Location, locate
 from .save import rebuild_error
 from .verify import verify_checkpoint
 
@@ -40,37 +38,33 @@ class CheckpointFolder:
     def __init__(self, folder: str | os.PathLike[str], *, keep: int | None = 3, suffix: str = ".pt") -> None:
         if keep is not None and keep < 1:
             raise ArgumentError(f"keep must be at least 1 (or None for all), got {keep}")
-        self.remote = is_url(folder)  # an object store: no folders to make, no rename
-        self.folder: Path | str = str(folder).rstrip("/") if self.remote else Path(folder)
-        if isinstance(self.folder, Path):
-            try:
-                self.folder.mkdir(parents=True, exist_ok=True)  # the first save needs it; every rank may do this
-            except OSError as e:
-                raise CheckpointWriteError(f"cannot create checkpoint folder {self.folder}: {e.strerror or e}") from e
+        self._at = locate(folder)  # a local folder, or an object store's prefix (no folders, no rename)
+        self.remote = self._at.remote
+        self.folder: Path | str = self._at.as_given()
+        try:
+            self._at.make_folder()  # the first save needs it; every rank may do this
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot create checkpoint folder {self.folder}: {e.strerror or e}") from e
         self.keep = keep
         self.suffix = suffix
         self._pattern = re.compile(rf"^step_(\d+){re.escape(suffix)}$")
 
-    def _at(self, name: str) -> Path | str:
-        return self.folder / name if isinstance(self.folder, Path) else join(self.folder, name)
-
     def path_for(self, step: int) -> Path | str:
         """Where step ``step``'s checkpoint goes: a Path, or a URL string for a URL folder."""
-        return self._at(f"step_{step:09d}{self.suffix}")
+        return self._at.child(f"step_{step:09d}{self.suffix}").as_given()
 
     def step_of(self, path: str | os.PathLike[str]) -> int | None:
-        m = self._pattern.match(name_of(path) if is_url(path) else Path(path).name)
+        m = self._pattern.match(locate(path).name)
         return int(m[1]) if m else None
 
     def checkpoints(self) -> list[Path | str]:
         """Complete checkpoint files (or committed objects), oldest first (temp files and
         unfinished uploads never match)."""
-        if isinstance(self.folder, Path):
-            names = [p.name for p in self.folder.iterdir()] if self.folder.is_dir() else []
-        else:
-            names = list_names(self.folder)
-        found = sorted((step, name) for name in names if (step := self.step_of(name)) is not None)
-        return [self._at(name) for _, name in found]
+        return [c.as_given() for c in self._checkpoints()]
+
+    def _checkpoints(self) -> list[Location]:
+        found = sorted((step, name) for name in self._at.names() if (step := self.step_of(name)) is not None)
+        return [self._at.child(name) for _, name in found]
 
     def commit(self, path: str | os.PathLike[str]) -> None:
         """Point ``latest`` at ``path`` and prune. Any rank may call it; only global rank 0 acts.
@@ -81,39 +75,24 @@ class CheckpointFolder:
         """
         if _dist.rank() != 0:
             return
-        if not isinstance(self.folder, Path):
-            self._commit_url(os.fspath(path), self.folder)
-            return
-        p = Path(path)
-        if not p.is_file():
+        at = locate(path)
+        if not self._at.holds(at):
+            raise ArgumentError(f"{at.spelled} is not in {self.folder}; commit files named by path_for(step)")
+        if not at.is_file():  # an aborted or unfinished upload is no object either
             raise CheckpointNotFoundError(
-                f"{p}: cannot commit a checkpoint that does not exist; save it first, then commit", filename=str(p)
+                f"{at.spelled}: cannot commit a checkpoint that does not exist; save it first, then commit",
+                filename=at.spelled,
             )
-        if p.parent.resolve() != self.folder.resolve():
-            raise ArgumentError(f"{p} is not in {self.folder}; commit files named by path_for(step)")
-        with atomic_write(self.folder / self.POINTER) as f:
-            f.write(f"{p.name}\n".encode())
-        self._prune(p.name)
-
-    def _commit_url(self, url: str, folder: str) -> None:
-        if not is_url(url) or url.rsplit("/", 1)[0] != folder:
-            raise ArgumentError(f"{url} is not in {folder}; commit objects named by path_for(step)")
-        if not exists(url):  # an aborted or unfinished upload is no object
-            raise CheckpointNotFoundError(
-                f"{url}: cannot commit a checkpoint that does not exist; save it first, then commit", filename=url
-            )
-        write_small(join(folder, self.POINTER), f"{name_of(url)}\n".encode())  # one PUT, read back
-        self._prune(name_of(url))
+        self._at.child(self.POINTER).write_small(f"{at.name}\n".encode())  # atomic; on a store, one PUT read back
+        self._prune(at.name)
 
     def _prune(self, name: str) -> None:
         """Remove all but the newest ``keep``, once ``latest`` names ``name``."""
         if self.keep is None:
             return
-        for old in self.checkpoints()[: -self.keep]:
-            if isinstance(old, Path) and old.name != name:
-                old.unlink(missing_ok=True)
-            elif isinstance(old, str) and name_of(old) != name:
-                delete(old)
+        for old in self._checkpoints()[: -self.keep]:
+            if old.name != name:
+                old.delete()
 
     def latest(self, *, full: bool = False) -> Path | str | None:
         """The newest checkpoint that is intact, or None. Must be called on all ranks: rank 0
@@ -148,19 +127,16 @@ class CheckpointFolder:
             raise rebuild_error(
                 error[0], f"rank 0 could not pick a checkpoint: {error[1]}", default=CheckpointFormatError
             )
-        return (answer if self.remote else Path(answer)) if answer else None
+        return locate(answer).as_given() if answer else None
 
     def _pointer(self) -> str | None:
-        if isinstance(self.folder, Path):
-            pointer = self.folder / self.POINTER
-            return pointer.read_text(errors="replace").strip() if pointer.is_file() else None
-        data = read_small(join(self.folder, self.POINTER))
+        data = self._at.child(self.POINTER).read_small()
         return data.decode(errors="replace").strip() if data is not None else None
 
     def _find(self, full: bool) -> Path | str | None:
-        candidates = list(reversed(self.checkpoints()))
+        candidates = [c.as_given() for c in reversed(self._checkpoints())]
         if name := self._pointer():
-            named = self._at(name)
+            named = self._at.child(name).as_given()
             if named in candidates:  # the pointer names the newest committed one; try it first
                 candidates.remove(named)
                 candidates.insert(0, named)

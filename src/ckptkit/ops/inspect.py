@@ -17,18 +17,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import LayoutError, PartialCheckpointError
+from ..formats import registry
 from ..formats import source as fp
-from ..formats.deepspeed.files import refuse_rank_file
-from ..formats.detect import DCP, DEEPSPEED, HF, SAFETENSORS, ZIP, check_exists, detect_format
+from ..formats.detect import check_exists
 from ..formats.hf.index import shard_note
 from ..formats.pickles import reader as tp
+from ..formats.pickles.safety import AllowGlobals, filter_unsafe, needed_globals, unsafe_error
 from ..formats.source import checkpoint_bytes
+from ..formats.spec import TensorInfo
 from ..formats.torchzip import modulepickle as mp
-from ..io.remote import is_url, staged_read, unstaged
+from ..io.store import locate
 from ..model.layout import find_model_state
 from ..prefix import detect_prefixes
-from .inspect_read import TensorInfo, name_producer, read_dcp, read_deepspeed, read_fast, read_with_torch
-from .safety import AllowGlobals, filter_unsafe, needed_globals, unsafe_error
+from .inspect_read import name_producer, read_view, read_with_torch
 
 
 @dataclass
@@ -151,32 +152,28 @@ def inspect_checkpoint(
         >>> s.prefixes["leading"], len(s.tensors)  # doctest: +SKIP
         (['module.'], 7)
     """
-    if is_url(path):  # the object staged in a local file, described under its URL
-        with staged_read(path) as local:
-            summary = inspect_checkpoint(local, key=key, trust=trust, allow_globals=allow_globals)
-        summary.path, summary.notes = path, [unstaged(n, local, path) for n in summary.notes]
-        return summary
+    where = locate(path)  # an object's URL is staged in a local file, described under its URL
+    with where.reading() as local:
+        summary = _inspect(local, key=key, trust=trust, allow_globals=allow_globals)
+    summary.path = where.spell(summary.path, local)
+    summary.notes = [where.spell(n, local) for n in summary.notes]
+    return summary
+
+
+def _inspect(path: str, *, key: str | None, trust: bool, allow_globals: AllowGlobals) -> CheckpointSummary:
     p = check_exists(path)
-    fmt = detect_format(p)
-    summary = CheckpointSummary(str(p), fmt, checkpoint_bytes(p, fmt))
+    fmt = registry.detect(p)
+    summary = CheckpointSummary(str(p), fmt.name, checkpoint_bytes(p, fmt.name))
     summary.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     loaded = None
-    if fmt == ZIP:
+    if fmt.partial is not None:
         try:
-            refuse_rank_file(p)
+            fmt.partial(p)
         except PartialCheckpointError as e:  # described as it is, with where its weights really are
             summary.notes.append(str(e))
-    if fmt == DEEPSPEED:  # read inertly whatever trust says: its pickles hold nothing to run
-        loaded = read_deepspeed(p)
-        summary.notes.append(f"{loaded[3]['deepspeed']}: {loaded[3]['weights']}")
-    elif fmt == DCP and not trust:
+    if fmt.open is not None and not (trust and fmt.trust_matters):  # trust: what torch builds is described
         try:
-            loaded = read_dcp(p)
-        except (fp.NeedsTorch, tp.UnsupportedGlobal):
-            pass  # torch reads it, applying ckptkit's safety rules to .metadata's globals
-    elif fmt in (ZIP, SAFETENSORS, HF) and not trust:
-        try:
-            loaded = read_fast(p, fmt)
+            loaded = read_view(fmt.open(p))
         except mp.UnsafeModulePickle as e:
             summary.needs_trust, summary.pickled_module = filter_unsafe(e.names, allow_globals), e.description
             if summary.needs_trust:
@@ -184,8 +181,9 @@ def inspect_checkpoint(
         except fp.NeedsTorch:
             pass  # a pickled module whose state_dict() needs its code: torch's loader says what it needs
         except tp.UnsupportedGlobal:
-            # A shard's globals: torch's weights-only load below says which it needs.
-            needs = needed_globals(p, allow_globals) if fmt != HF else None
+            # One pickle's globals (a torch file's): torch's weights-only load says which it needs.
+            # Folders (a shard's, DCP's metadata): torch reads them, applying ckptkit's safety rules.
+            needs = needed_globals(p, allow_globals) if fmt.scan_globals else None
             if needs is not None and not needs.loads:  # allowing globals is not enough: say so, and why
                 raise unsafe_error(str(p), needs.names, loads=False, why=needs.why) from None
             if needs is not None and needs.names:
@@ -195,7 +193,8 @@ def inspect_checkpoint(
     if loaded is None:
         loaded = read_with_torch(p, trust, allow_globals)
         summary.loaded_with_torch, summary.trusted = True, trust
-    obj, is_tensor, info, meta, summary.pickled_module = loaded
+    obj, is_tensor, info, meta, summary.pickled_module, hint, notes = loaded
+    summary.notes += notes
     summary.metadata = meta
     try:
         where, state = find_model_state(obj, key=key, is_tensor=is_tensor, source=str(p))
@@ -209,7 +208,7 @@ def inspect_checkpoint(
         if isinstance(ck, Mapping):
             summary.metadata.update({f"ckptkit.{k}": str(v) for k, v in ck.items()})
     if (
-        producer := name_producer(p, fmt, obj, "/".join(where) if where is not None else None, is_tensor, meta=meta)
+        producer := name_producer(obj, "/".join(where) if where is not None else None, is_tensor, hint=hint)
     ) is not None:
         summary.producer = asdict(producer)
     if where is None:

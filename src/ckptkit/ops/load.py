@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..distributed.devices import MapLocation
-from ..io.remote import is_url, staged_read
+from ..formats.pickles.safety import AllowGlobals
+from ..io.store import locate
 from ..model.fit import load_into_model
 from ..model.layout import find_model_state
 from ..prefix import WRAPPER_PREFIXES
 from .read import read_checkpoint
-from .safety import AllowGlobals
 from .verify import verify_checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 
 def load_for_rank(
     path: str | os.PathLike[str],
     *,
-    model: Any = None,
+    model: torch.nn.Module | None = None,
     map_location: MapLocation = None,
     key: str | None = None,
     strict: bool = True,
@@ -77,25 +80,11 @@ def load_for_rank(
         >>> ckpt = load_for_rank("ckpt.pt", model=model)  # doctest: +SKIP
         >>> optimizer.load_state_dict(ckpt["optimizer"])  # doctest: +SKIP
     """
-    if is_url(path):  # staged once, for the check and the load
-        with staged_read(path) as local:
-            return load_for_rank(
-                local,
-                model=model,
-                map_location=map_location,
-                key=key,
-                strict=strict,
-                trust=trust,
-                allow_globals=allow_globals,
-                wrappers=wrappers,
-                mmap=mmap,
-                verify=verify,
-            )
-    source = os.fspath(path)
-    if verify:
-        verify_checkpoint(source).gate(trust=trust, allow_globals=allow_globals)
-    obj = read_checkpoint(source, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
-    if model is not None:
-        _, state_dict = find_model_state(obj, key=key, source=source)
-        load_into_model(model, state_dict, strict=strict, wrappers=wrappers, source=source)
-    return obj
+    with locate(path).reading() as source:  # an object's URL staged once, for the check and the load
+        if verify:
+            verify_checkpoint(source).gate(trust=trust, allow_globals=allow_globals)
+        obj = read_checkpoint(source, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
+        if model is not None:
+            _, state_dict = find_model_state(obj, key=key, source=source)
+            load_into_model(model, state_dict, strict=strict, wrappers=wrappers, source=source)
+        return obj

@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ..formats.safetensors.codec import parse_aliases, read_header
 from ..model.layout import is_state_dict
 from ..prefix import detect_prefixes
 
@@ -81,13 +79,6 @@ def other_wrapped_weights(obj: Any, path: tuple[str, ...], is_tensor: Any) -> li
             continue
         todo += [((*where, str(k)), v) for k, v in node.items() if (*where, str(k)) != path]
     return found
-
-
-def tied_names(dest: Path) -> list[str]:
-    with open(dest, "rb") as f:
-        header, _ = read_header(f, source=str(dest))
-    meta = header.pop("__metadata__", None) or {}
-    return [f"{alias} is {target}" for _, alias, target in parse_aliases(meta, header, str(dest))]
 
 
 def renamed_prefixes(before: Sequence[str], after: Sequence[str]) -> tuple[str, str]:

@@ -12,17 +12,23 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..distributed import collectives as _dist
 from ..distributed.devices import MapLocation
 from ..errors import ResumeError
+from ..formats.pickles.safety import AllowGlobals
 from ..model.fit import fit_to_model
 from ..prefix import WRAPPER_PREFIXES
 from ..training.rng import restore_rng_state
 from ..training.state import FORMAT, is_module, shape_of
 from .read import read_checkpoint
-from .safety import AllowGlobals
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..training.sampler import ResumableDistributedSampler
+    from ..training.state import Optimizers, Schedulers
 
 
 @dataclass
@@ -75,11 +81,11 @@ def _pairs(what: str, objs: Any, saved: Any, saved_shape: str, source: str) -> l
 def load_training_state(
     path: str | os.PathLike[str],
     *,
-    model: Any,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    sampler: Any = None,
+    model: torch.nn.Module,
+    optimizer: Optimizers | None = None,
+    scheduler: Schedulers | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    sampler: ResumableDistributedSampler | None = None,
     stateful: Mapping[str, Any] | None = None,
     strict: bool = True,
     restore_rng: bool = True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from ..distributed import collectives as _dist
@@ -13,6 +13,12 @@ from ..errors import CheckpointWriteError, CkptkitError
 from ..io.remote import as_destination
 from ..training.state import build_training_state
 from .write import write_checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..training.sampler import ResumableDistributedSampler
+    from ..training.state import Optimizers, Schedulers
 
 
 def rebuild_error(kind: str, message: str, *, default: type[CkptkitError] = CheckpointWriteError) -> CkptkitError:
@@ -82,11 +88,11 @@ def write_and_agree(obj: Any, dest: Path | str, *, timeout: float, channel: str)
 def save_training_state(
     path: str | os.PathLike[str],
     *,
-    model: Any,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    sampler: Any = None,
+    model: torch.nn.Module,
+    optimizer: Optimizers | None = None,
+    scheduler: Schedulers | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    sampler: ResumableDistributedSampler | None = None,
     epoch: int = 0,
     step: int = 0,
     extra: Mapping[str, Any] | None = None,

@@ -11,26 +11,17 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ..errors import (
-    CheckpointFormatError,
-    CkptkitError,
-    UnsafeCheckpointError,
-    UnsupportedCheckpointError,
-)
-from ..formats.deepspeed import zero_checks
-from ..formats.detect import DCP, DEEPSPEED, HF, LEGACY, SAFETENSORS, ZIP, check_exists, detect_format
-from ..formats.hf.index import read_index, shard_note
-from ..formats.integrity import Check, safetensors_checks, zip_checks
-from ..formats.pickles.reader import UnsupportedGlobal
-from ..formats.source import NeedsTorch, checkpoint_bytes, open_source
-from ..formats.torchzip.container import TorchZip
+from ..errors import CheckpointFormatError, CkptkitError, UnsupportedCheckpointError
+from ..formats import registry
+from ..formats.detect import check_exists, detect_format
+from ..formats.hf.index import shard_note
+from ..formats.integrity import Check
+from ..formats.pickles.safety import AllowGlobals, global_name, resolve_globals, unsafe_error
+from ..formats.source import checkpoint_bytes
 from ..io.fileio import Progress
-from ..io.remote import is_url, renamed, staged_read, unstaged
-from .safety import AllowGlobals, global_name, needed_globals, needs_text, resolve_globals, unsafe_error
-from .verify_dcp import dcp_checks
+from ..io.store import locate
 
 
 @dataclass
@@ -116,8 +107,20 @@ def verify_checkpoint(
         >>> verify_checkpoint("fixtures/ddp.pt").ok  # doctest: +SKIP
         True
     """
-    if is_url(path):
-        return _verify_url(path, full=full, progress=progress)
+    where = locate(path)
+    try:
+        with where.reading() as local:
+            report = _verify(local, full=full, progress=progress)
+    except CkptkitError as e:  # no such object, or its bytes differ from what ckptkit uploaded
+        return VerifyReport(where.spelled, checks=[Check("format", "integrity", False, str(e))], error=e)
+    report.path = where.spell(report.path, local)
+    report.checks = [dataclasses.replace(c, detail=where.spell(c.detail, local)) for c in report.checks]
+    report.notes = [where.spell(n, local) for n in report.notes]
+    report.error = where.rename(report.error, local) if report.error is not None else None
+    return report
+
+
+def _verify(path: str, *, full: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
     report = VerifyReport(os.fspath(path))
     try:
         p = check_exists(path)
@@ -127,9 +130,7 @@ def verify_checkpoint(
         report.checks.append(Check("format", "integrity", False, str(e)))
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
-    check = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy, DCP: dcp_checks, HF: _hf, DEEPSPEED: _deepspeed}[
-        report.format
-    ]
+    check = registry.get(report.format).check  # the same parser the format's readers use
     total = checkpoint_bytes(p, report.format)
     report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
     read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
@@ -140,100 +141,3 @@ def verify_checkpoint(
         if isinstance(e, UnsupportedCheckpointError):
             report.error = e  # intact, maybe: the gate raises this, not "failed verification"
     return report
-
-
-def _verify_url(url: str, *, full: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
-    """The local checks on a staged copy, reported under the URL."""
-    try:
-        with staged_read(url) as local:
-            report = verify_checkpoint(local, full=full, progress=progress)
-    except CkptkitError as e:  # no such object, or its bytes differ from what ckptkit uploaded
-        return VerifyReport(url, checks=[Check("format", "integrity", False, str(e))], error=e)
-    report.path = url
-    report.checks = [dataclasses.replace(c, detail=unstaged(c.detail, local, url)) for c in report.checks]
-    report.notes = [unstaged(n, local, url) for n in report.notes]
-    report.error = renamed(report.error, local, url) if report.error is not None else None
-    return report
-
-
-def _globals_safe(p: Path) -> Check:
-    needs = needed_globals(p)  # the static scan, confirmed by torch's weights-only unpickler
-    unsafe = list(needs.names)
-    detail = f"pickle {needs_text(unsafe)}" if unsafe else "only weights-only globals"
-    if not needs.loads:  # allowing globals is not enough: only trust is advised
-        detail = f"{unsafe_error(p.name, unsafe, loads=False, why=needs.why)}".removeprefix(
-            f"{p.name}: refused to load: "
-        )
-    return Check("safe to load", "safety", needs.loads and not unsafe, detail, tuple(unsafe))
-
-
-def _torch_loads(p: Path, fmt: Any) -> Check:
-    from .torchload import torch_load  # deferred: verify runs without torch where the checks above suffice
-
-    name = "loads with torch (weights-only)"
-    try:
-        torch_load(str(p), fmt, map_location="cpu", trust=False, allow_globals=(), mmap=True)
-    except UnsafeCheckpointError as e:
-        return Check(name, "safety", False, str(e), e.globals)
-    except CkptkitError as e:  # damage, or an intact file torch still refuses: either way not loadable
-        return Check(name, "integrity", False, str(e))
-    return Check(name, "integrity", True)
-
-
-def _zip(p: Path, full: bool, progress: Progress | None) -> list[Check]:
-    with TorchZip(p) as z:  # every read through one open file: the version opened, even if replaced
-        checks, needs_torch = zip_checks(z, full=full, progress=progress)
-    if needs_torch:
-        checks.append(safe := _globals_safe(p))
-        if safe.ok and full:
-            checks.append(_torch_loads(p, ZIP))
-    return checks
-
-
-def _safetensors(p: Path, full: bool, progress: Progress | None) -> list[Check]:
-    with open(p, "rb") as f:
-        return safetensors_checks(f, str(p), full=full, progress=progress)
-
-
-def _legacy(p: Path, full: bool, progress: Progress | None) -> list[Check]:
-    checks = [_globals_safe(p)]
-    if checks[0].ok and full:
-        checks.append(_torch_loads(p, LEGACY))
-    if full:
-        checks.append(
-            Check("checksums", "integrity", True, "the legacy format stores none; convert to torch zip to get CRC-32s")
-        )
-    return checks
-
-
-def _deepspeed(p: Path, full: bool, progress: Progress | None) -> list[Check]:
-    return zero_checks(p, full=full, progress=progress)
-
-
-def _hf(p: Path, full: bool, progress: Progress | None) -> list[Check]:
-    """Each shard checked as a file of its own (check names prefixed with the shard's), and the index
-    against the tensors the shards hold."""
-    index = read_index(p)
-    checks = [Check("index", "integrity", True, f"{len(index.weight_map)} tensors in {len(index.shards)} shard(s)")]
-    for shard in index.shards:
-        path = index.folder / shard
-        try:
-            fmt = detect_format(path)
-            if fmt not in (ZIP, SAFETENSORS, LEGACY):
-                raise CheckpointFormatError(f"{path}: a {fmt} is not a shard")
-            found = {ZIP: _zip, SAFETENSORS: _safetensors, LEGACY: _legacy}[fmt](path, full, progress)
-        except CkptkitError as e:
-            found = [Check("structure", "integrity", False, str(e))]
-        checks += [dataclasses.replace(c, name=f"{shard}: {c.name}") for c in found]
-    name = "index matches the shards"
-    try:
-        open_source(p, HF).close()  # opens every shard and holds its tensor names against the index
-    except NeedsTorch as e:
-        return [*checks, Check(name, "integrity", True, f"not compared without torch ({e})")]
-    except CheckpointFormatError as e:  # the pickle stand-ins' UnsupportedGlobal included
-        ok = isinstance(e, UnsupportedGlobal)
-        return [
-            *checks,
-            Check(name, "integrity", ok, "not compared: a shard needs torch to list its tensors" if ok else str(e)),
-        ]
-    return [*checks, Check(name, "integrity", True, "each shard holds exactly the tensors the index puts in it")]

@@ -52,7 +52,7 @@ def seed_generators(seed: int) -> None:
 
     torch.manual_seed(seed)
     random.seed(seed)
-    with contextlib.suppress(ImportError):  # numpy is optional for the trainer (tests/test_train.py)
+    with contextlib.suppress(ImportError):  # numpy is optional for the trainer (tests/train/test_trainer.py)
         import numpy
 
         numpy.random.seed(seed % 2**32)  # numpy takes 0 to 2**32 - 1; torch and Python take any int

@@ -18,12 +18,22 @@ second optimizer, a ``StatefulDataLoader``), as torchsnapshot's and torchtitan's
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..distributed import collectives as _dist
 from ..errors import ArgumentError
 from ..model.unwrap import unwrap_model
 from .rng import capture_rng_state
+
+if TYPE_CHECKING:
+    import torch
+    from torch.optim.lr_scheduler import LRScheduler
+
+    # What save_training_state and load_training_state take: one, a list, or a dict by name.
+    Optimizers: TypeAlias = (
+        torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer]
+    )
+    Schedulers: TypeAlias = LRScheduler | Sequence[LRScheduler] | Mapping[str, LRScheduler]
 
 FORMAT = 1
 

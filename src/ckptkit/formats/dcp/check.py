@@ -12,15 +12,15 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, summarize
-from ..formats.dcp import unsafe_metadata_globals
-from ..formats.dcp.stream import chunk_crc_check, open_dcp
-from ..formats.integrity import Check
-from ..formats.pickles.reader import UnsupportedGlobal
-from ..formats.pickles.scan import pickle_globals
-from ..formats.source import NeedsTorch
-from ..io.fileio import Progress
-from .safety import filter_unsafe, needs_text
+from ...errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, summarize
+from ...io.fileio import Progress
+from ..integrity import Check
+from ..pickles.reader import UnsupportedGlobal
+from ..pickles.safety import filter_unsafe, needs_text
+from ..pickles.scan import pickle_globals
+from ..source import NeedsTorch
+from . import unsafe_metadata_globals
+from .stream import chunk_crc_check, open_dcp
 
 
 def dcp_checks(p: Path, full: bool, progress: Progress | None) -> list[Check]:

@@ -25,10 +25,13 @@ from typing import Any, BinaryIO
 from ...errors import CheckpointFormatError, summarize
 from ...io.crcmath import crc32_combine
 from ...io.fileio import Progress, copy_range, crc_of_range
+from ..detect import DCP
 from ..dtypes import BY_NAME
 from ..integrity import Check, Damage
 from ..pickles import reader as lp
-from ..source import NeedsTorch
+from ..producers import Producer
+from ..source import NeedsTorch, checkpoint_bytes
+from ..spec import Info, TensorInfo
 from ..torchzip.container import SliceReader, TorchZip
 from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
 from .tensor import DcpTensor, Piece
@@ -58,6 +61,42 @@ class DcpSource:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+
+    @property
+    def name(self) -> str:
+        return str(self.folder)
+
+    @property
+    def nbytes(self) -> int:
+        return checkpoint_bytes(self.folder, DCP)
+
+    @property
+    def notes(self) -> list[str]:
+        return []
+
+    @property
+    def pickled_module(self) -> str:
+        return ""
+
+    def output_metadata(self) -> dict[str, str]:
+        return {"format": "pt"}
+
+    def is_leaf(self, value: Any) -> bool:
+        return is_leaf(value)
+
+    def entry(self, leaf: DcpTensor, name: str) -> DcpTensor:
+        return leaf  # its tensors are entries already
+
+    def records(self) -> None:
+        return None
+
+    def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
+        """Shapes, dtypes and where the bytes are, from ``.metadata`` and each chunk's zip header."""
+
+        def info(name: str, t: DcpTensor) -> tuple[TensorInfo, Any, int]:
+            return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
+
+        return info, {}, None
 
     def copy(self, t: DcpTensor, dst: BinaryIO, progress: Progress | None = None) -> int:
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its

@@ -1,29 +1,46 @@
-"""Read a torch.distributed.checkpoint (DCP) folder into one state dict, safely.
+"""torch's half of DCP: a folder read into one state dict, safely, and a state dict written as one.
 
-torch reads DCP's ``.metadata`` with plain ``pickle.load`` and non-tensor entries with
+Reading. torch reads DCP's ``.metadata`` with plain ``pickle.load`` and non-tensor entries with
 ``torch.load(weights_only=False)``: a hostile folder runs code. ckptkit first lists the globals
 in ``.metadata`` without running them and admits only DCP's own metadata classes (and what the
 caller allows), and loads non-tensor entries weights-only, unless the caller trusts the folder.
+
+Writing. DCP's own writer (``FileSystemWriter``, one process, no process group) writes into a temp
+folder beside the destination, which appears whole or not at all (:func:`ckptkit.io.atomicdir.atomic_folder`).
+The object comes from ckptkit's safe readers: nothing was unpickled that the caller did not admit
+(torch's ``format_utils.torch_to_dcp`` would ``torch.load`` the source with ``weights_only=False``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import os
 import pickle
+import warnings
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from ..distributed.devices import MapLocation, single_device
-from ..errors import PICKLE_ERRORS, CheckpointFormatError, CkptkitError, UnsafeCheckpointError
-from ..formats.dcp import unsafe_metadata_globals
-from ..formats.dcp.meta import read_metadata
-from ..formats.pickles.reader import UnsupportedGlobal
-from ..formats.pickles.scan import pickle_globals
-from ..formats.source import NeedsTorch
-from .safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
+from ...errors import (
+    PICKLE_ERRORS,
+    ArgumentError,
+    CheckpointFormatError,
+    CheckpointWriteError,
+    CkptkitError,
+    UnsafeCheckpointError,
+    spell,
+)
+from ...io.atomicdir import atomic_folder
+from ..pickles.reader import UnsupportedGlobal
+from ..pickles.safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
+from ..pickles.scan import pickle_globals
+from ..source import NeedsTorch
+from ..spec import Placement, WritePlan
+from . import unsafe_metadata_globals
+from .meta import read_metadata
 
 
 def read_dcp(
@@ -31,20 +48,16 @@ def read_dcp(
     *,
     trust: bool = False,
     allow_globals: AllowGlobals = (),
-    map_location: MapLocation = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Load a DCP folder into a nested dict of tensors and values.
-
-    Tensors land on ``map_location`` (a device), or on this rank's device by default.
+    """Load a DCP folder into a nested dict of tensors and values, its tensors on ``device``.
 
     Raises:
         UnsafeCheckpointError: ``.metadata`` names globals outside DCP's own classes and
             ``allow_globals``, or an entry needs globals outside torch's allowlist.
         CheckpointFormatError: metadata or shards are missing or damaged.
-        ArgumentError: ``map_location`` is not a device.
     """
     folder = Path(path)
-    device = single_device(map_location, str(folder), "a torch.distributed.checkpoint folder")
     allowed = resolve_globals(allow_globals)
     try:
         unsafe = unsafe_metadata_globals(folder)
@@ -132,3 +145,81 @@ def _unsafe_entry(folder: Path, fqn: str, value: io.BytesIO, allowed: list[Any])
     except (zipfile.BadZipFile, CheckpointFormatError, IndexError):
         unsafe = []
     return unsafe_error(str(folder), unsafe, where=f" entry {fqn!r}")
+
+
+def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:
+    """Save ``obj`` (a mapping: tensors, nested containers, plain values) as a DCP folder at ``path``.
+
+    Returns the bytes written. ``torch.distributed.checkpoint.load`` reads it into a plain model
+    or a sharded one (FSDP2, any world size).
+
+    Raises:
+        ArgumentError: ``obj`` is not something DCP can save (not a mapping, or keys it cannot
+            flatten); CheckpointWriteError: the folder could not be written.
+
+    Example:
+        >>> write_dcp({"fc.weight": torch.ones(2, 2)}, "out.dcp")  # doctest: +SKIP
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dest = Path(path)
+    if not isinstance(obj, Mapping):
+        raise ArgumentError(f"{dest}: a DCP folder holds a state dict (a mapping), not a {type(obj).__name__}")
+    with atomic_folder(dest) as tmp:  # replaces a folder there: the caller checked it may
+        try:
+            with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": meant
+                warnings.simplefilter("ignore")
+                _save_alone(dict(obj), dcp.FileSystemWriter(str(tmp), sync_files=True))
+        except CkptkitError:
+            raise
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot write {dest}: {e.strerror or e}") from e
+        except (CheckpointException, ValueError, TypeError, AttributeError, RuntimeError, KeyError) as e:
+            cause = (first_failure(e) or e) if isinstance(e, CheckpointException) else e  # DCP wraps each rank's
+            raise ArgumentError(
+                f"{dest}: torch.distributed.checkpoint cannot save this checkpoint ({type(cause).__name__}: {_first_line(cause)}); "
+                f"{spell('model_only=True', '--model-only')} writes the weights alone"
+            ) from e
+        return sum(p.stat().st_size for p in tmp.iterdir())
+
+
+def _save_alone(state: dict[str, Any], writer: Any) -> None:
+    """``dcp.save`` in this process alone, even inside a process group (``no_dist=True``).
+
+    torch 2.6's ``dcp.save`` has no ``no_dist`` (it infers it from whether a group exists);
+    its ``_save_state_dict``, which ``dcp.save`` calls, takes it (as ``_dcpread`` uses ``_load_state_dict``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" in inspect.signature(dcp.save).parameters:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    else:
+        from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+        _save_state_dict(state, storage_writer=writer, no_dist=True)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def read(
+    path: str,
+    *,
+    fmt: str,
+    placement: Placement,
+    trust: bool = False,
+    allow_globals: AllowGlobals = (),
+    mmap: bool = True,
+    zero_weights: str = "fp32",
+) -> dict[str, Any]:
+    """A DCP folder as one nested state dict, tensors on the placement's device."""
+    device = placement.device(path, "a torch.distributed.checkpoint folder")
+    return read_dcp(path, trust=trust, allow_globals=allow_globals, device=device)
+
+
+def write(target: BinaryIO | Path, obj: Any, state: Any, *, dest: Path, plan: WritePlan) -> int:
+    """``obj`` as a DCP folder at ``target``, through DCP's own writer."""
+    assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
+    return write_dcp(obj, target)

@@ -30,6 +30,8 @@ from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Damage, tensors_named
 from ..pickles import reader as tp
+from ..producers import Producer
+from ..spec import Info, TensorInfo
 from ..torchzip.container import Record, TorchZip
 from . import rebuild as rb
 from .files import Layout, entry_of, find_layout, read_pickle
@@ -153,6 +155,39 @@ class DsSource:
         if self.zero_weights == "module":
             return f"16-bit module weights of {self.layout.model_files[0].name}"
         return f"fp32 master weights partitioned across {self.world_size} *_optim_states.pt in {self.layout.tag}/"
+
+    @property
+    def name(self) -> str:
+        return str(self.folder)
+
+    @property
+    def notes(self) -> list[str]:
+        return [f"{self.description}: {self.weights_from}"]
+
+    @property
+    def pickled_module(self) -> str:
+        return ""
+
+    def output_metadata(self) -> dict[str, str]:
+        return {"format": "pt"}
+
+    def is_leaf(self, value: Any) -> bool:
+        return is_leaf(value)
+
+    def entry(self, leaf: DsTensor, name: str) -> DsTensor:
+        return leaf  # its tensors are entries already
+
+    def records(self) -> None:
+        return None
+
+    def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
+        """The rebuilt names, shapes and dtypes, read from the pickles alone; DeepSpeed as the producer."""
+
+        def info(name: str, t: DsTensor) -> tuple[TensorInfo, Any, int]:
+            return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
+
+        meta = {"deepspeed": self.description, "weights": self.weights_from}
+        return info, meta, Producer("deepspeed", self.description, notes=[self.weights_from])
 
     @property
     def nbytes(self) -> int:

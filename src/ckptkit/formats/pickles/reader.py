@@ -244,9 +244,10 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     dispatch.update(
         dict.fromkeys(
-            (op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)), _refuse_buffers
+            (op[0] for op in (pickle.BYTEARRAY8, pickle.NEXT_BUFFER, pickle.READONLY_BUFFER)),
+            _refuse_buffers,  # type: ignore[arg-type]  # typeshed types _Unpickler's handlers as Unpickler's
         )
-    )  # type: ignore[arg-type]
+    )
     dispatch[pickle.FRAME[0]] = _frame  # type: ignore[assignment]
 
     def find_class(self, module: str, name: str) -> Any:

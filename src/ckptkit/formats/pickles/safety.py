@@ -26,10 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ArgumentError, UnsafeCheckpointError, spell, summarize
-from ..formats.detect import LEGACY, ZIP, detect_format
-from ..formats.pickles.scan import checkpoint_globals
-from ..formats.torchzip.bounds import check_storage_bounds
+from ...errors import ArgumentError, UnsafeCheckpointError, spell, summarize
+from ..detect import LEGACY, ZIP, detect_format
+from ..torchzip.bounds import check_storage_bounds
+from .scan import checkpoint_globals
 
 AllowGlobals = Sequence[Any]  # classes, functions, (object, "name") pairs or "module.Name" strings
 

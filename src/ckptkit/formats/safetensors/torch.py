@@ -13,6 +13,7 @@ import os
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -21,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from ...errors import ArgumentError, CheckpointFormatError
 from ...io.fileio import Progress, write_checked
 from ..entry import Bytes
+from ..spec import Placement, WritePlan
 from .codec import insert_aliases, parse_aliases, read_header, write_safetensors
 
 
@@ -96,3 +98,27 @@ def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[
     except SafetensorError as e:
         raise CheckpointFormatError(f"{source}: {e}") from e
     return insert_aliases(out, parse_aliases(meta, out, source)), meta
+
+
+def read(
+    path: str,
+    *,
+    fmt: str,
+    placement: Placement,
+    trust: bool = False,
+    allow_globals: Any = (),
+    mmap: bool = True,
+    zero_weights: str = "fp32",
+) -> OrderedDict[str, Any]:
+    """A safetensors file's tensors (tied names one tensor again), on the placement's device."""
+    return load_tensors(path, device=placement.device(path, "a safetensors file"))[0]
+
+
+def write(target: BinaryIO | Path, obj: Any, state: Any, *, dest: Path, plan: WritePlan) -> None:
+    """``state`` (a mapping of tensors, or a module's state dict) into the open file ``target``."""
+    assert not isinstance(target, Path)  # a file format: its writer gets the open file
+    if hasattr(state, "state_dict") and hasattr(state, "named_modules"):
+        state = state.state_dict()
+    if not isinstance(state, Mapping):
+        raise ArgumentError(f"{dest}: safetensors holds a mapping of tensors, not a {type(state).__name__}")
+    save_tensors(target, state, source=str(dest))

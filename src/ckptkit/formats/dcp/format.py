@@ -1,0 +1,26 @@
+"""torch.distributed.checkpoint folders, as the registry knows them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..detect import DCP, is_dcp_file
+from ..spec import CheckpointFormat, View
+from .check import dcp_checks
+from .stream import open_dcp
+
+
+def _open(path: Path, *, lazy: bool = False, **_: Any) -> View:
+    return open_dcp(path, lazy=lazy)
+
+
+DCP_FORMAT = CheckpointFormat(
+    name=DCP,
+    what="a torch.distributed.checkpoint folder",
+    package="ckptkit.formats.dcp",
+    check=dcp_checks,
+    open=_open,
+    folder=True,  # written by DCP's own writer (its torch half): no torch-free writer
+    owns=(is_dcp_file, "DCP files"),
+)

@@ -1,0 +1,43 @@
+"""Hugging Face shard folders (and their ``*.index.json``), as the registry knows them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..detect import HF
+from ..source import open_source
+from ..spec import CheckpointFormat, View, WritePlan
+from .check import hf_check
+from .write import Written, write_shards
+
+
+def _open(path: Path, **_: Any) -> View:
+    return open_source(path, HF)
+
+
+def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, plan: WritePlan) -> Written:
+    """The weights ``state`` as a folder of safetensors shards at ``target``, each tensor's bytes
+    copied from ``view``; the folder appears only once ``view`` found no damage."""
+    assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
+    tensors = {k: view.entry(v, k) if view.is_leaf(v) else v for k, v in state.items()}
+    return write_shards(
+        target,
+        tensors,
+        max_shard_size=plan.max_shard_size,
+        source=view.name,
+        progress=plan.progress,
+        after=view.damage.raise_if_any,
+    )
+
+
+HF_FORMAT = CheckpointFormat(
+    name=HF,
+    what="Hugging Face shards",
+    package="ckptkit.formats.hf",
+    check=hf_check,
+    open=_open,
+    write_entries=write_entries,
+    folder=True,
+    tensors_only=True,
+)

@@ -1,0 +1,197 @@
+"""What every format is, in one shape: the verbs its package implements and the facts the
+operations ask of it instead of branching on its name.
+
+A format's package (``formats/safetensors/`` ...) implements the verbs in a module named
+``format.py`` and describes itself there with one :class:`CheckpointFormat`; ``formats/registry.py``
+lists them. The verbs:
+
+- ``open``: the checkpoint as an object tree whose tensors are entries (a :class:`View`), torch-free;
+  ``NeedsTorch`` where it holds what this path does not model. None: only torch reads it.
+- ``check``: what ``verify`` reports of it (:class:`~.integrity.Check` s), through the same parser
+  ``open`` uses.
+- ``describe``: each tensor's :class:`TensorInfo` and the metadata ``inspect`` shows (on the view).
+- ``write``: the torch-free writer of its entries (``write_entries``), and its torch half's
+  ``write`` for objects torch built.
+- ``read`` (its torch half): the checkpoint as Python objects, tensors where :class:`Placement` says.
+
+The torch half is the package's ``torch.py``, imported only when a verb needs torch.
+
+Example:
+    >>> from ckptkit.formats.registry import get
+    >>> get("safetensors").suffixes, get("dcp").folder
+    (('.safetensors',), True)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+
+if TYPE_CHECKING:
+    from ..io.fileio import Progress
+    from .entry import Entry
+    from .integrity import Check, Damage
+    from .producers import Producer
+
+
+@dataclass
+class TensorInfo:
+    """One weight tensor, as ``inspect`` lists it. ``stored`` is the size of its storage, 0 when an
+    earlier tensor shares it (tied weights are stored once)."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    device: str
+    nbytes: int
+    stored: int = 0
+
+
+# (info, storage identity, storage bytes) of a tensor, by name and leaf
+Info = Callable[[str, Any], tuple[TensorInfo, Any, int]]
+
+
+class View(Protocol):
+    """An opened checkpoint, torch-free: its object tree with byte-locating leaves.
+
+    Every format's ``open`` returns one; convert copies from it, inspect describes it.
+    """
+
+    obj: Any
+
+    @property
+    def damage(self) -> Damage:
+        """Bytes found to differ from their recorded CRC-32 while copied (raised once all are written)."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """The path it was opened from, as messages name it."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Source bytes its tensors are copied from (what progress is measured against)."""
+        ...
+
+    @property
+    def notes(self) -> list[str]:
+        """What a report should say of where the weights came from."""
+        ...
+
+    @property
+    def pickled_module(self) -> str:
+        """A whole pickled module's class (``DataParallel(ToyCNN)``); ``obj`` is then its state_dict()."""
+        ...
+
+    def output_metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` a safetensors output carries: a safetensors source's own, else
+        ``{"format": "pt"}``."""
+        ...
+
+    def is_leaf(self, value: Any) -> bool:
+        """Whether ``value`` in :attr:`obj` is a tensor."""
+        ...
+
+    def entry(self, leaf: Any, name: str) -> Entry:
+        """Leaf ``name`` as an entry a writer copies (``NeedsTorch`` where its bytes need torch)."""
+        ...
+
+    def records(self) -> tuple[dict[str, Entry], str, str] | None:
+        """A torch zip's storage records by key, copied as they are, with the zip's record prefix
+        and byte order; None for other formats."""
+        ...
+
+    def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
+        """How to describe each tensor, the metadata ``inspect`` shows, and who wrote it where the
+        format itself says (a ZeRO folder; a Trainer folder), else None."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Placement(Protocol):
+    """Where a torch read puts tensors (resolved from the caller's ``map_location``, once)."""
+
+    @property
+    def map_location(self) -> Any:
+        """For formats whose storages record their device: as ``torch.load`` takes it."""
+        ...
+
+    def device(self, source: str, what: str) -> str:
+        """For formats that record none: the one device (``ArgumentError`` where the caller's
+        ``map_location`` is not a device)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """One format: its facts, its torch-free verbs, and where its torch half is.
+
+    Attributes:
+        name: as ``detect_format`` and reports spell it (``"safetensors"``).
+        what: as messages name one (``"a safetensors file"``).
+        package: its package, whose ``torch`` module is its torch half.
+        check: ``check(path, full, progress)``: what ``verify`` reports.
+        open: ``open(path, zero_weights=...)``: a :class:`View`; None: only torch reads it.
+        write_entries: ``write_entries(target, view, obj, state, plan)``: the torch-free writer
+            (``target`` an open file, or the folder's path); None: it is written by torch alone.
+        suffixes: the file suffixes that name it as an output (lowercase).
+        folder: an output written as a folder (its writer owns the temp folder and the swap).
+        device_tags: its storages record their device, so ``map_location`` is torch.load's.
+        trust_matters: its pickles can name code; False where they are read inertly whatever
+            ``trust`` says (DeepSpeed's records).
+        tensors_only: it holds tensors only: anything beside the weights needs ``model_only``.
+        scan_globals: one pickle whose globals can be listed, and tried with torch's weights-only
+            unpickler (torch's own formats).
+        partial: raises where a path of this format is one part of a checkpoint given alone.
+        module_name: the class of a whole pickled module the file holds (``""``: none).
+        ties: the names a written file stores once (``"alias is target"``).
+        owns: for a folder output its writer fills: which file names are its own, and what they
+            are called; ``--force`` replaces a folder holding nothing else.
+    """
+
+    name: str
+    what: str
+    package: str
+    check: Callable[[Path, bool, Progress | None], list[Check]]
+    open: Callable[..., View] | None = None
+    write_entries: Callable[[BinaryIO | Path, View, Any, Any, WritePlan], Any] | None = None
+    suffixes: tuple[str, ...] = ()
+    folder: bool = False
+    device_tags: bool = False
+    trust_matters: bool = True
+    tensors_only: bool = False
+    scan_globals: bool = False
+    partial: Callable[[Path], None] | None = field(default=None, repr=False)
+    module_name: Callable[[str | os.PathLike[str]], str] | None = field(default=None, repr=False)
+    ties: Callable[[Path], list[str]] | None = field(default=None, repr=False)
+    owns: tuple[Callable[[str], bool], str] | None = field(default=None, repr=False)
+
+    def torch(self) -> ModuleType:
+        """The torch half: ``read(path, *, placement, trust, allow_globals, mmap, zero_weights)`` and
+        ``write(target, obj, state, *, dest, plan)``. Importing it imports torch."""
+        return importlib.import_module(f"{self.package}.torch")
+
+
+@dataclass
+class WritePlan:
+    """What a writer needs beyond the tree: a folder's shard limit, progress, the source's name.
+
+    Attributes:
+        max_shard_size: a sharded folder's limit in bytes (0: not a sharded output).
+        progress: called with bytes as they are copied.
+        source: the source's name, for messages.
+        copy_storages: a torch zip written from a torch zip may copy its storages as they are
+            (False where the tensors are cast as they are copied).
+    """
+
+    max_shard_size: int = 0
+    progress: Progress | None = None
+    source: str = ""
+    copy_storages: bool = True
