@@ -116,14 +116,6 @@ SECTIONS = [
         ),
     ),
     Section(
-        "devices",
-        "Speed devices, A/B",
-        "Each workload converts a ~1 GiB input in process (durable), with every speed device on and with each "
-        "device that concerns it switched off. The last column is each variant's median over the all-on median "
-        "(above 1: slower without the device).",
-        (("bench_devices.py", "--gib", "1", "--runs", "7", "--dir", "{disk}"),),
-    ),
-    Section(
         "save",
         "Saving and loading, against the peers",
         "One process, a model of 64 x 16 MiB fp32 weights, the peers interleaved. Every save is followed by an "

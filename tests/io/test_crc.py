@@ -12,7 +12,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -235,13 +234,9 @@ def test_a_read_error_while_checking_a_copy_fails_it_and_copies_nothing_twice(
     assert calls and (tmp_path / "dst").stat().st_size <= len(data)
 
 
-@pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="the aside runs beside a kernel copy only")
-@pytest.mark.parametrize("failing", ["crc job", "aside start"])
-def test_a_failed_step_waits_for_every_helper_job_before_raising(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
-) -> None:
-    """The aside (a DCP convert finding its next chunks) reads files the caller closes once the
-    copy raises; it ran on after a failed CRC job, and a failed start left the CRC job unwaited."""
+@pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="the CRC job runs beside a kernel copy only")
+def test_a_failed_crc_job_is_waited_for_before_raising(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC job reads the source the caller closes once the copy raises: it must have ended."""
     (tmp_path / "src").write_bytes(bytes(4 << 20))
     ended: list[str] = []
     real_in_background = fileio.in_background
@@ -249,30 +244,23 @@ def test_a_failed_step_waits_for_every_helper_job_before_raising(
     def crc_fails(*_: object) -> int:
         raise OSError(5, "Input/output error")
 
-    def aside(deadline: float) -> None:
-        time.sleep(0.3)
-        ended.append("aside")
-
     def in_background(fn: Any, *args: Any) -> Any:
-        if fn is aside and failing == "aside start":
-            raise RuntimeError("can't start new thread")
         wait = real_in_background(fn, *args)
 
         def waited() -> Any:
             try:
                 return wait()
             finally:
-                ended.append("crc" if fn is not aside else "waited for aside")
+                ended.append("crc")
 
         return waited
 
     monkeypatch.setattr(fileio, "in_background", in_background)
-    if failing == "crc job":
-        monkeypatch.setattr(fileio, "_crc_of_mapped", crc_fails)
+    monkeypatch.setattr(fileio, "_crc_of_mapped", crc_fails)
     with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
-        with pytest.raises((OSError, RuntimeError)):
-            fileio.copy_range(src, dst, 0, 4 << 20, crc=True, aside=aside)
-    assert ended == (["crc", "aside", "waited for aside"] if failing == "crc job" else ["crc"])
+        with pytest.raises(OSError, match="Input/output error"):
+            fileio.copy_range(src, dst, 0, 4 << 20, crc=True)
+    assert ended == ["crc"]
 
 
 def test_the_fast_crc_library_is_used_where_installed() -> None:

@@ -55,7 +55,6 @@ class CastEntry(Entry):
     src: Entry = field(repr=False)
     dtype: str
     crc = None  # of bytes that do not exist until written
-    at = None  # the output's bytes are not a copy of the source's: no page offset to keep
     zip = None
 
     @property

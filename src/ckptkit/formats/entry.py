@@ -31,7 +31,7 @@ class Entry:
     new torch storage hold them. Subclasses: :class:`Bytes`, and a DCP folder's ``DcpTensor``.
 
     ``crc``: the CRC-32 the bytes must have, where known before they are read (None: not yet);
-    ``at``: the source offset a long copy keeps within a page (None: none); ``ident``: entries
+    ``ident``: entries
     with equal idents are one tensor (tied), stored once; ``storage``, ``storage_size``,
     ``complete``: the storage it views, that storage's size, and whether it is all of it
     (huggingface_hub's split groups and counts by storage); ``zip``: ``(method, inflated size)``
@@ -42,7 +42,6 @@ class Entry:
     shape: tuple[int, ...]
     nbytes: int
     crc: int | None
-    at: int | None
     ident: Any
     storage: Any
     storage_size: int
@@ -70,7 +69,6 @@ class Bytes(Entry):
     nbytes: int
     copy: Callable[[BinaryIO, Progress | None], int | None] = field(repr=False)
     crc: int | None = None
-    at: int | None = None
     ident: Any = None
     storage: Any = None
     storage_size: int = -1

@@ -133,7 +133,6 @@ class Source:
                 leaf.length,
                 self._copier(part, leaf.start, leaf.length, leaf.crc, leaf),
                 crc=leaf.crc,
-                at=leaf.start,
                 ident=leaf,
             )
         t = lp.tensor_of(leaf)
@@ -158,7 +157,6 @@ class Source:
             length,
             copy,
             crc=rec.crc if whole else None,
-            at=rec.data_offset + start,
             ident=(*storage, t.offset, t.shape, t.stride, t.dtype),
             storage=storage,
             storage_size=rec.size,
@@ -183,7 +181,6 @@ class Source:
                     rec.size,
                     self._copier(self, rec.data_offset, rec.size, rec.crc, (self, rec)),
                     crc=rec.crc,
-                    at=rec.data_offset,
                 )
             else:
                 out[key] = Bytes(

@@ -3,6 +3,7 @@
 Torch-free, and below ``formats``: it knows bytes and files, no checkpoint format. Modules:
 ``atomic``/``atomicdir`` (a temp in the same folder, fsync, rename, a check before it),
 ``fileio`` (bounded reads, ``copy_range`` with its CRC-32, ``crc32``), ``kcopy`` (the kernel's
-copies, ``copy_file_range``, and early writeback), ``pages`` (where a long copy lands
-within a page), ``helper`` (the kept CRC thread), ``crcmath`` (CRC-32 combination).
+copies, ``copy_file_range``, and early writeback), ``helper`` (the kept CRC thread),
+``crcmath`` (CRC-32 combination), ``store`` (a path or an object's URL, resolved once),
+``remote``/``upload`` (object stores through fsspec).
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
@@ -28,9 +27,6 @@ _CHUNK = 64 << 20  # a plain copy's step, and how much is copied between writeba
 _CHECKED_STEP = 32 << 20  # a checked copy's step: the copy and its CRC read the same bytes at once
 _MAPPED_FROM = 2 << 20  # shorter ranges are CRC'd from a read: a mapping and a thread cost more than they save
 Progress = Callable[[int], None]
-Aside = Callable[[float], object]  # a helper's work while the kernel copies: returns by the time.perf_counter() given
-_ASIDE_SHARE = 0.5  # of a step's expected copy time, given to aside work (the CRC shares its core)
-_rate = [8e9]  # bytes/s of the last mapped step (a guess before one): how long the next should take
 
 
 def crc32(data: Any, value: int = 0) -> int:
@@ -85,7 +81,6 @@ def copy_range(
     progress: Progress | None = None,
     *,
     crc: bool = False,
-    aside: Aside | None = None,
 ) -> int:
     """Append ``length`` bytes of ``src`` from ``offset`` to ``dst``, in the kernel when it can.
 
@@ -96,11 +91,6 @@ def copy_range(
 
     A ``dst`` without a file descriptor (``fileno`` raises: ``convert --dtype``'s sink, which casts
     each piece as it comes) is written through Python, in steps of at most 32 MiB.
-
-    ``aside``: work a third thread may do while the kernel copies each step of a checked range
-    of 2 MiB or more, called with the ``time.perf_counter()`` it should return by (half the time
-    the step should take, by the last step's speed). It holds the GIL while it runs, so it works
-    in short pieces and checks the time between them; this thread waits for it after the step.
 
     Example:
         >>> import tempfile
@@ -125,7 +115,7 @@ def copy_range(
         n = 0
         if use_kernel:
             try:
-                n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, mapped, aside)
+                n, value = _kernel_copy(inp, out, step, offset + done, value if crc else None, mapped)
             except NoKernelCopy:  # cross-device on old kernels, or a filesystem without support
                 use_kernel = False
         if not use_kernel:
@@ -146,9 +136,7 @@ def copy_range(
     return value
 
 
-def _kernel_copy(
-    inp: int, out: int, step: int, at: int, value: int | None, mapped: bool, aside: Aside | None
-) -> tuple[int, int]:
+def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapped: bool) -> tuple[int, int]:
     """The kernel's copy of up to ``step`` bytes of ``inp`` at ``at`` to ``out``: ``(bytes copied,
     CRC-32 continued from value)``; no CRC (0) where ``value`` is None."""
     if value is None:
@@ -159,21 +147,10 @@ def _kernel_copy(
     # On another core, while the kernel copies the same bytes: that thread maps, CRCs and
     # unmaps its step, so the page-table work of the mapping stays off this thread.
     crc = in_background(_crc_of_mapped, inp, at, step, value)
-    start = time.perf_counter()
-    side = None
-    try:  # both jobs are waited for, whatever fails: the aside reads files the caller closes next
-        if aside is not None:
-            side = in_background(aside, start + _ASIDE_SHARE * step / _rate[0])
+    try:
         n = copy_file_range(inp, out, step, at)
-    finally:
-        took = time.perf_counter() - start
-        try:
-            stepped = crc()
-        finally:
-            if side is not None:
-                side()
-    if n > 0 and took > 0:
-        _rate[0] = n / took
+    finally:  # waited for whatever fails: it reads the file the caller closes next
+        stepped = crc()
     if n == step:
         return n, stepped
     return n, _crc_of_mapped(inp, at, n, value) if n > 0 else value  # a short copy: CRC what was copied

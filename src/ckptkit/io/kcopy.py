@@ -1,9 +1,9 @@
 """Copies the kernel does between two files (``copy_file_range``), and early writeback.
 
-A ``splice`` through a 1 MiB pipe for ranges that land at another offset within a page was
-measured end to end in convert and did not pay for itself (BENCHMARKS.md, bench_devices.py):
 ``copy_file_range`` copies every range, and on NFS, XFS or btrfs may do better still (a copy on
-the server, shared blocks).
+the server, shared blocks). Devices around it that were measured end to end in convert and did
+not gain 10% were removed (a ``splice`` pipe, padding to keep a source's page offset, finding
+DCP chunks on a helper thread): git history has their A/Bs.
 """
 
 from __future__ import annotations

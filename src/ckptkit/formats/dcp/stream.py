@@ -16,7 +16,6 @@ dropped and convert falls back to torch.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,6 @@ class DcpSource:
     obj: dict[str, Any]
     files: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
-    ahead: list[DcpTensor] = field(default_factory=list)  # pieces not found yet: the next to copy last
     damage: Damage = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,28 +98,13 @@ class DcpSource:
 
     def copy(self, t: DcpTensor, dst: BinaryIO, progress: Progress | None = None) -> int:
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its
-        recorded CRC-32 goes to :attr:`damage` (raised once everything was read).
-
-        While the kernel copies a long piece, a helper thread finds the next tensors' pieces
-        (:attr:`ahead`): reading a chunk's zip takes ~50 us of Python, 392 chunks per GiB of
-        FSDP2 folder, which would otherwise add to the copy."""
+        recorded CRC-32 goes to :attr:`damage` (raised once everything was read)."""
         crc = 0
         for p in t.pieces:
-            aside = self._find_ahead if self.ahead else None
-            read = copy_range(self.files[p.file], dst, p.offset, p.length, progress, crc=True, aside=aside)
+            read = copy_range(self.files[p.file], dst, p.offset, p.length, progress, crc=True)
             self.damage.check((t.fqn, p), p.crc, read)
             crc = crc32_combine(crc, read, p.length)
         return crc
-
-    def _find_ahead(self, deadline: float) -> None:
-        """On a helper thread, while the copying thread waits in the kernel: the next tensors'
-        pieces, at least one tensor's (a late start still makes progress), until ``deadline``."""
-        while self.ahead:
-            t = self.ahead.pop()
-            if t._found is None:
-                t.find_ahead()
-                if time.perf_counter() >= deadline:
-                    return
 
 
 def is_leaf(value: Any) -> bool:
@@ -168,12 +151,9 @@ def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False) -> DcpSource
                 value: Any = DcpTensor(entry.fqn, entry.dtype, entry.shape, lambda e=entry: _pieces(src, e, seen), src)  # type: ignore[misc]
                 if not lazy:
                     value.pieces  # noqa: B018 - found now: errors come from open_dcp
-                else:
-                    src.ahead.append(value)
             else:
                 value = _value(src, entry)
             set_element(src.obj, meta.paths.get(fqn, (fqn,)), value)
-        src.ahead.reverse()
         return src
     except BaseException:
         src.close()

@@ -45,8 +45,7 @@ class DcpTensor(Entry):
     shape: tuple[int, ...]
     find: Callable[[], tuple[Piece, ...]] = field(repr=False)
     src: DcpSource = field(repr=False)
-    _found: tuple[Piece, ...] | Exception | None = field(default=None, repr=False)
-    at = None  # its pieces lie in several files
+    _found: tuple[Piece, ...] | None = field(default=None, repr=False)
     zip = None
     complete = True
 
@@ -73,22 +72,13 @@ class DcpTensor(Entry):
     def pieces(self) -> tuple[Piece, ...]:
         if self._found is None:
             self._found = self.find()
-        if isinstance(self._found, Exception):
-            raise self._found
         return self._found
-
-    def find_ahead(self) -> None:
-        if self._found is None:
-            try:
-                self._found = self.find()
-            except Exception as e:  # noqa: BLE001 - kept for .pieces to raise
-                self._found = e
 
     @property
     def crc(self) -> int | None:  # type: ignore[override]
         """The CRC-32 its bytes have where each chunk's match the CRC-32 its zip records; None
         until its pieces are found (a writer does not wait for them)."""
-        if self._found is None or isinstance(self._found, Exception):
+        if self._found is None:
             return None
         crc = 0
         for p in self._found:

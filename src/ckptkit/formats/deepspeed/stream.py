@@ -74,12 +74,6 @@ class DsTensor(Entry):
     def storage_size(self) -> int:  # type: ignore[override]
         return self.nbytes
 
-    @property
-    def at(self) -> int | None:  # type: ignore[override]
-        """The source offset a long copy keeps within a page: one piece copied as it is."""
-        one = len(self.spec.pieces) == 1 and self.spec.source_dtype == self.spec.dtype
-        return self.spec.pieces[0].start if one else None
-
     def write(self, f: BinaryIO, progress: Progress | None = None) -> int:
         return self.src.copy(self, f, progress)
 

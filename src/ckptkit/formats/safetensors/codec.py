@@ -22,7 +22,6 @@ from typing import Any, BinaryIO
 
 from ...errors import ArgumentError, CheckpointFormatError, summarize
 from ...io.fileio import Progress
-from ...io.pages import PAGE, page_residue
 from ..dtypes import BY_NAME, BY_SAFETENSORS
 from ..entry import Entry
 
@@ -75,16 +74,11 @@ def write_safetensors(
     if aliases:
         meta[ALIASES_KEY] = json.dumps(aliases)
     entries = [(n, BY_NAME[e.dtype].safetensors or "", list(e.shape), e.nbytes) for n, e in kept.items()]
-    spans: list[tuple[int, int, int]] = []  # (offset in the data section, in the source, length)
-    offset = 0
-    for e in kept.values():
-        if e.at is not None:
-            spans.append((offset, e.at, e.nbytes))
-        offset += e.nbytes
-    start, data_at = f.tell(), page_residue(spans)
+    offset = sum(e.nbytes for e in kept.values())
+    start = f.tell()
 
     def header(crcs: Mapping[str, int | None] | None) -> bytes:
-        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(kept, crcs)}, data_at=data_at, start=start)
+        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(kept, crcs)})
 
     # Where the source records every CRC-32, the header goes out once, final; else with
     # same-width placeholders patched after the data (a page the disk may be writing back).
@@ -102,13 +96,7 @@ def write_safetensors(
     return offset
 
 
-def header_bytes(
-    entries: Iterable[tuple[str, str, list[int], int]],
-    metadata: Mapping[str, str] | None,
-    *,
-    data_at: int | None = None,
-    start: int = 0,
-) -> bytes:
+def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None) -> bytes:
     """Length prefix + JSON header for ``(name, dtype, shape, nbytes)`` entries laid out in order."""
     header: dict[str, Any] = {}
     if metadata:
@@ -117,15 +105,13 @@ def header_bytes(
     for name, dtype, shape, nbytes in entries:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    return encode_header(header, data_at=data_at, start=start)
+    return encode_header(header)
 
 
-def encode_header(header: Mapping[str, Any], *, data_at: int | None = None, start: int = 0) -> bytes:
-    """Length prefix + compact JSON, space-padded so tensor data starts 8-byte aligned, or, with
-    ``data_at`` (a multiple of 8, from :func:`.pages.page_residue`), at that file offset modulo
-    :data:`~.pages.PAGE` (up to a page of spaces) for a header written at file offset ``start``."""
+def encode_header(header: Mapping[str, Any]) -> bytes:
+    """Length prefix + compact JSON, space-padded so tensor data starts 8-byte aligned."""
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8 if data_at is None else (data_at - start - 8 - len(raw)) % PAGE)
+    raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
 

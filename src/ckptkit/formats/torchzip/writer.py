@@ -14,7 +14,6 @@ from typing import Any, BinaryIO
 
 from ...errors import CheckpointFormatError
 from ...io.fileio import Progress, crc32, write_checked
-from ...io.pages import page_pad
 from ..entry import Entry, map_entries
 from ..pickles.dump import dumps, new_tensor
 from .directory import CENTRAL as _CENTRAL
@@ -72,15 +71,14 @@ class ZipWriter:
         self.alignment = alignment
         self.entries: list[tuple[bytes, int, int, int, int, int]] = []  # name, crc, csize, size, method, offset
 
-    def _header(self, name: bytes, crc: int, csize: int, size: int, method: int, *, like: int | None = None) -> None:
-        """The local header; ``like``: the source offset of the bytes that follow, if copied."""
+    def _header(self, name: bytes, crc: int, csize: int, size: int, method: int) -> None:
+        """The local header of a record whose bytes follow."""
         offset = self.f.tell()
         zip64 = csize >= ZIP64_AT or size >= ZIP64_AT
         extra = struct.pack("<HHQQ", 1, 16, size, csize) if zip64 else b""
-        # "FB" extra field padding so the data starts on an alignment boundary, as torch does
-        # (and at its source's offset within a page, for a long copy).
+        # "FB" extra field padding so the data starts on an alignment boundary, as torch does.
         at = offset + _LOCAL.size + len(name) + len(extra) + 4
-        pad = -at % self.alignment if like is None else page_pad(at, like, csize, alignment=self.alignment)
+        pad = -at % self.alignment
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         sizes = (U32, U32) if zip64 else (csize, size)
         self.f.write(
@@ -101,14 +99,12 @@ class ZipWriter:
         """
         return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress))
 
-    def add_written(
-        self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None, like: int | None = None
-    ) -> int:
+    def add_written(self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None) -> int:
         """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
         of a tensor copied from several files). The header gets ``crc`` where the caller knows what
         the bytes' CRC should be (a DCP tensor's, from its chunks'), else it is patched in after;
         so it is where the bytes turned out otherwise (the caller reports that damage)."""
-        self._header(name.encode(), crc or 0, size, size, zipfile.ZIP_STORED, like=like)
+        self._header(name.encode(), crc or 0, size, size, zipfile.ZIP_STORED)
         start = self.f.tell()
         got = write()
         name_b, _, csize, size_, method, offset = self.entries[-1]
@@ -146,9 +142,9 @@ class ZipWriter:
         """Store an entry's bytes (a compressed zip record as it is); returns their CRC-32 as
         written, which the entry's source holds against what it records (None: compressed)."""
         if e.zip is None:
-            return self.add_written(name, e.nbytes, lambda: e.write(self.f, progress) or 0, crc=e.find_crc(), like=e.at)
+            return self.add_written(name, e.nbytes, lambda: e.write(self.f, progress) or 0, crc=e.find_crc())
         method, size = e.zip
-        self._header(name.encode(), e.crc or 0, e.nbytes, size, method, like=e.at)
+        self._header(name.encode(), e.crc or 0, e.nbytes, size, method)
         return e.write(self.f, progress)
 
     def close(self) -> None:
