@@ -227,3 +227,23 @@ def test_verify_and_the_loader_agree_on_a_storage_larger_than_its_record(tmp_pat
         ckptkit.read_checkpoint(tmp_path / "big.pt")
     report = ckptkit.verify_checkpoint(tmp_path / "big.pt")
     assert not report.ok and "declares 508 bytes" in " ".join(c.detail for c in report.checks)
+
+
+def test_two_records_of_one_name_are_refused_by_every_reader(tmp_path: Path) -> None:
+    """A second data/0 record (valid CRC, values 7.0) appended to a torch.save file of 0.0: verify
+    passed it, read_checkpoint gave 0.0 and convert copied 7.0. The verify check and the readers
+    share one parser (the container), which now refuses the file: they cannot disagree."""
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.zeros(4)}, src)
+    with zipfile.ZipFile(src, "a") as z, pytest.warns(UserWarning, match="Duplicate name"):
+        z.writestr("m/data/0", torch.full((4,), 7.0).numpy().tobytes())
+    report = ckptkit.verify_checkpoint(src)
+    assert not report.ok and "more than once" in report.checks[-1].detail
+    for read in (
+        lambda: ckptkit.read_checkpoint(src, map_location="cpu"),
+        lambda: ckptkit.convert_checkpoint(src, tmp_path / "out.pt"),
+        lambda: ckptkit.inspect_checkpoint(src),
+    ):
+        with pytest.raises(ckptkit.errors.CheckpointFormatError, match="more than once"):
+            read()
+    assert not (tmp_path / "out.pt").exists()

@@ -13,6 +13,7 @@ import os
 import re
 import struct
 import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -91,6 +92,14 @@ class TorchZip:
                 raise CheckpointFormatError(f"{self.path}: record {e.name} runs past the end of the file (truncated?)")
             self.records.append(Record(e.name, start, e.compressed_size, e.size, e.crc, e.method))
         self.by_name = {r.name: r for r in self.records}
+        if len(self.by_name) != len(self.records):  # readers would disagree on which record holds the bytes
+            counts = Counter(r.name for r in self.records)
+            twice = sorted(n for n, c in counts.items() if c > 1)
+            raise CheckpointFormatError(
+                f"{self.path}: the zip directory names {summarize(twice)} more than once; torch.save writes each "
+                "record once, and readers disagree on which copy to use, so ckptkit reads none: re-save it from "
+                "the program that wrote it"
+            )
         self._check_archive(central[0].name if central else "")
 
     def _check_archive(self, first: str) -> None:
