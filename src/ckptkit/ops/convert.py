@@ -246,38 +246,28 @@ def _convert(
     obj = read_source(
         str(source), map_location="cpu", trust=trust, allow_globals=allow_globals, zero_weights=zero_weights
     )
-    view = TorchView(obj, source, in_fmt)
+    module = in_fmt.module_name(source) if trust and in_fmt.module_name is not None else ""
+    if module:  # read by the same inert walk as untrusted: nothing of the pickle was run
+        reason = "trusted file: its tensors were read through torch"
+    view = TorchView(obj, source, in_fmt, reason=reason, pickled_module=module)
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt.name, progress=_progress(progress, view.nbytes))
-    cast, changes = Cast(dtype) if dtype else None, []
-    if cast is not None:
+    job.sanitize = sanitize
+    if dtype is not None:
         from .torchcast import cast_tensors  # deferred with torch, as above
 
+        job.casting = cast = Cast(dtype)
         job.cast = lambda state: cast_tensors(state, cast)
     if sanitize:
         from .sanitize import sanitize as make_plain  # deferred with torch, as above
 
         def finish(out: object) -> object:
             plain, found = make_plain(out, source=str(source))
-            changes.extend(found)
+            job.sanitized.extend(found)
             return plain
 
         job.finish = finish
-    report = job.run(view)
-    report.fast, report.fallback_reason = False, reason
-    report.notes += cast.notes() if cast else []
-    report.cast, report.sanitized = list(cast.names) if cast else [], changes
-    if sanitize:
-        report.notes.append(
-            f"sanitized for torch.load(weights_only=True): {'; '.join(changes)}"
-            if changes
-            else "sanitize: nothing to change (torch.load(weights_only=True) reads it as it was)"
-        )
-    if trust and in_fmt.module_name is not None:  # read by the same inert walk, if it is a whole module
-        report.pickled_module = in_fmt.module_name(source)
-        if report.pickled_module:  # nothing of the pickle was run: only its tensors went through torch
-            report.fallback_reason = "trusted file: its tensors were read through torch"
-    return report
+    return job.run(view)
 
 
 def _why_torch(in_fmt: CheckpointFormat, out_fmt: CheckpointFormat, trust: bool) -> str:
@@ -306,13 +296,8 @@ def _copy(
     """The torch-free convert: ``view``'s entries renamed (and cast while copied) into the output
     format's writer, every byte checked against its source's CRC-32."""
     job.plan.progress = _progress(progress, view.nbytes)
-    cast = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
-    job.cast = fast_cast(view, cast) if cast else None
-    job.plan.copy_storages = cast is None
-    report = job.run(view)
-    report.pickled_module = view.pickled_module
-    report.notes += view.notes
-    report.notes += cast.notes() if cast else []
-    report.cast = list(cast.names) if cast else []
-    report.notes += ["sanitize: nothing to change (the weights were read without unpickling anything)"] * sanitize
-    return report
+    job.casting = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
+    job.cast = fast_cast(view, job.casting) if job.casting else None
+    job.plan.copy_storages = job.casting is None
+    job.sanitize = sanitize
+    return job.run(view)

@@ -37,10 +37,11 @@ class TorchView:
     split along other dimensions, files that need ``trust``), written by the output format's torch
     half instead of its torch-free writer."""
 
-    def __init__(self, obj: Any, path: Path, fmt: CheckpointFormat) -> None:
+    def __init__(self, obj: Any, path: Path, fmt: CheckpointFormat, *, reason: str, pickled_module: str = "") -> None:
         import torch
 
         self.obj, self.path, self.fmt, self._tensor = obj, path, fmt, torch.Tensor
+        self.reason, self._module = reason, pickled_module  # why torch read it; a whole module's class
         self.damage = Damage(str(path), str)  # torch read every byte itself: nothing is copied here
 
     @property
@@ -57,7 +58,7 @@ class TorchView:
 
     @property
     def pickled_module(self) -> str:
-        return ""
+        return self._module
 
     def output_metadata(self) -> dict[str, str]:
         return {"format": "pt"}
@@ -90,8 +91,11 @@ class Job:
     model_only: bool
     key: str | None
     plan: WritePlan = field(default_factory=WritePlan)
+    casting: Cast | None = None  # --dtype: what it cast, once written
     cast: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None  # the weights, cast (--dtype)
+    sanitize: bool = False
     finish: Callable[[Any], Any] | None = None  # what is written, made plain (--sanitize)
+    sanitized: list[str] = field(default_factory=list)  # what finish changed
 
     def run(self, view: View) -> ConvertReport:
         """Select and rename ``view``'s weights, write them with the output format's writer (its
@@ -138,6 +142,16 @@ class Job:
             notes.append(
                 f"{count} ({AVERAGED_COUNTS[count]}) not written: a plain model has no such buffer; {keep} keeps it"
             )
+        torch_read = isinstance(view, TorchView)
+        notes += view.notes + (self.casting.notes() if self.casting else [])
+        if self.sanitize and not torch_read:
+            notes.append("sanitize: nothing to change (the weights were read without unpickling anything)")
+        elif self.sanitize:
+            notes.append(
+                f"sanitized for torch.load(weights_only=True): {'; '.join(self.sanitized)}"
+                if self.sanitized
+                else "sanitize: nothing to change (torch.load(weights_only=True) reads it as it was)"
+            )
         shards = written if isinstance(written, Written) else None
         ties = self.out_fmt.ties
         tied = [f"{a} is {b}" for a, b in shards.tied.items()] if shards else ties(self.dest) if ties else []
@@ -159,6 +173,11 @@ class Job:
             else self.dest.stat().st_size,
             shards=len(shards.files) if shards else 0,
             notes=notes,
+            fast=not torch_read,
+            fallback_reason=view.reason if isinstance(view, TorchView) else "",
+            pickled_module=view.pickled_module,
+            cast=list(self.casting.names) if self.casting else [],
+            sanitized=self.sanitized,
         )
 
     def _write(self, view: View, obj: Any, state: Any) -> Any:
