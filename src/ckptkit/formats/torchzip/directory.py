@@ -29,7 +29,7 @@ _UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000  # encrypted, patch data,
 _METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)  # what torch's reader inflates
 
 
-class Entry(NamedTuple):
+class DirectoryEntry(NamedTuple):
     """One central directory header, with zip64 sizes and offset resolved."""
 
     name: str
@@ -40,7 +40,7 @@ class Entry(NamedTuple):
     method: int
 
 
-def read_directory(path: Path, f: BinaryIO, size: int) -> list[Entry]:
+def read_directory(path: Path, f: BinaryIO, size: int) -> list[DirectoryEntry]:
     """The records the central directory of the zip in ``f`` (``size`` bytes) lists, in its order.
 
     Raises:
@@ -69,7 +69,7 @@ def read_directory(path: Path, f: BinaryIO, size: int) -> list[Entry]:
         if U32 in (csize, usize, offset):
             usize, csize, offset = _zip64(path, name, directory[start + n : start + n + e], usize, csize, offset)
         _check(path, name, flags, method, csize, usize, volume, external)
-        entries.append(Entry(name, offset, csize, usize, crc, method))
+        entries.append(DirectoryEntry(name, offset, csize, usize, crc, method))
     return entries
 
 
