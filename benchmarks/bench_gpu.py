@@ -8,7 +8,9 @@ in interleaved rounds (the order reversed every other round), min / median / max
 ckptkit's median over each peer's median:
 
 - durable saves: ``save_on_master`` (fsyncs itself) against ``torch.save`` followed by an fsync
-  of the file, and ``dcp.save`` (its writer fsyncs);
+  of the file, and ``dcp.save`` (its writer fsyncs); and, as the A/B of its one speed device,
+  ``save_on_master`` with each storage's copy to the host not overlapped with writing the ones
+  before it;
 - blocking time of a background save, until the training thread may change the weights again:
   ``AsyncSaver.save`` against ``dcp.async_save`` with a new ``FileSystemWriter`` each time, and
   with one kept writer that caches its pinned staging copy (``cache_staged_state_dict=True``).
@@ -68,6 +70,17 @@ def savers(sd: dict[str, torch.Tensor], out: Path) -> dict[str, Callable[[], tup
         ckptkit.save_on_master(sd, p)
         return time.perf_counter() - t0, p
 
+    def ck_in_turn() -> tuple[float, Path]:  # the A/B: each storage copied to the host, then written
+        import ckptkit.formats.torchzip.torch as tz
+
+        tz.OVERLAP = False
+        try:
+            p, t0 = out / "ckptkit-in-turn.pt", time.perf_counter()
+            ckptkit.save_on_master(sd, p)
+            return time.perf_counter() - t0, p
+        finally:
+            tz.OVERLAP = True
+
     def ts() -> tuple[float, Path]:
         p, t0 = out / "torch.pt", time.perf_counter()
         torch.save(sd, p)
@@ -79,7 +92,12 @@ def savers(sd: dict[str, torch.Tensor], out: Path) -> dict[str, Callable[[], tup
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(p), no_dist=True)
         return time.perf_counter() - t0, p
 
-    return {"ckptkit save_on_master": ck, "torch.save + fsync": ts, "dcp.save": dc}
+    return {
+        "ckptkit save_on_master": ck,
+        "ckptkit save_on_master, copies not overlapped (A/B)": ck_in_turn,
+        "torch.save + fsync": ts,
+        "dcp.save": dc,
+    }
 
 
 def async_savers(sd: dict[str, torch.Tensor], out: Path) -> dict[str, Callable[[], tuple[float, Path]]]:

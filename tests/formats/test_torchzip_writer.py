@@ -130,3 +130,54 @@ def test_a_record_written_short_or_long_of_its_header_is_refused(tmp_path: Path,
             ckptkit.errors.CheckpointFormatError, match=rf"record a/data/0: {written} bytes written, its header says 10"
         ):
             w.add_written("a/data/0", 10, lambda: fileio.write_checked(f, b"x" * written))
+
+
+def _state() -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(300, 700, generator=g),
+        "b": torch.randn(300, generator=g).to(torch.bfloat16),
+        "tied": [torch.arange(10)] * 2,
+        "step": 7,
+    }
+
+
+@pytest.mark.parametrize("in_flight", [1, 1 << 30])  # every record waits for the one before it; none waits
+def test_records_written_behind_the_copies_are_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_flight: int
+) -> None:
+    """A state on a GPU is saved with each storage's copy to the host overlapping the writing of the
+    ones before it; the file is byte for byte the one written in turn (here forced on the CPU)."""
+    import ckptkit.formats.torchzip.torch as tz
+
+    sd = _state()
+    ckptkit.save_on_master(sd, tmp_path / "in_turn.pt")
+    monkeypatch.setattr(tz, "_on_a_device", lambda obj: True)
+    monkeypatch.setattr(tz, "IN_FLIGHT", in_flight)
+    ckptkit.save_on_master(sd, tmp_path / "behind.pt")
+    assert (tmp_path / "behind.pt").read_bytes() == (tmp_path / "in_turn.pt").read_bytes()
+
+
+def test_a_write_failing_behind_the_copies_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer thread's error (a full disk) reaches the caller, and nothing is published."""
+    import ckptkit.formats.torchzip.torch as tz
+
+    monkeypatch.setattr(tz, "_on_a_device", lambda obj: True)
+    real = zipwrite.ZipWriter.add_buffer
+
+    def full(self: zipwrite.ZipWriter, name: str, buf: object, progress: object = None) -> int:
+        if name.endswith("data/1"):
+            raise OSError(28, "No space left on device")
+        return real(self, name, buf, progress)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zipwrite.ZipWriter, "add_buffer", full)
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="no space left on the device"):
+        ckptkit.save_on_master(_state(), tmp_path / "m.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_a_state_on_a_device_is_written_behind() -> None:
+    import ckptkit.formats.torchzip.torch as tz
+
+    assert not tz._on_a_device({"w": torch.ones(2), "opt": {"state": {0: {"m": torch.zeros(2)}}}, "n": 3})
+    assert tz._on_a_device({"w": torch.ones(2), "opt": [{"m": torch.zeros(2, device="meta")}]})

@@ -36,8 +36,10 @@ import importlib
 import inspect
 import os
 import pickle
+import queue
+import threading
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -85,21 +87,82 @@ class FallBack(Exception):
     """This object or this torch needs ``torch.save`` itself; nothing useful was written."""
 
 
-class _Records:
-    """What ``torch.serialization._save`` writes to: PyTorchFileWriter's ``write_record``."""
+# Host copies of device storages waiting for the writer, at most: the copy of the next storage
+# overlaps the write of the previous ones, in bounded memory.
+IN_FLIGHT = 512 << 20
+OVERLAP = True  # benchmarks/bench_gpu.py switches it off for its A/B
 
-    def __init__(self, writer: ZipWriter, progress: Progress | None) -> None:
-        self.writer, self.progress = writer, progress
+
+class _Behind:
+    """The records written in order by one thread while the caller's thread goes on (torch copying
+    the next storage off the GPU), at most :data:`IN_FLIGHT` bytes waiting; the first error is
+    raised to the caller at its next record or at :meth:`finish`."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], object], int, object] | None] = queue.SimpleQueue()
+        self._held = 0
+        self._error: BaseException | None = None
+        self._room = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ckptkit-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: Callable[[], object], nbytes: int, keep: object) -> None:
+        """Queue ``write`` (``keep``: what its bytes live in, alive until written)."""
+        with self._room:
+            while self._held and self._held + nbytes > IN_FLIGHT and self._error is None:
+                self._room.wait()
+            if self._error is not None:
+                raise self._error
+            self._held += nbytes
+        self._queue.put((write, nbytes, keep))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            write, nbytes, _ = item
+            try:
+                if self._error is None:
+                    write()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                self._error = e
+            finally:
+                with self._room:
+                    self._held -= nbytes
+                    self._room.notify_all()
+
+    def finish(self, *, failed: bool = False) -> None:
+        """Wait for every record to be written; raise the first error (``failed``: the caller is
+        raising already: stop writing)."""
+        if failed:
+            self._error = self._error or CheckpointWriteError("stopped")
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None and not failed:
+            raise self._error
+
+
+class _Records:
+    """What ``torch.serialization._save`` writes to: PyTorchFileWriter's ``write_record``. With
+    ``behind``, each record is written by its thread while torch copies the next storage."""
+
+    def __init__(self, writer: ZipWriter, progress: Progress | None, behind: _Behind | None = None) -> None:
+        self.writer, self.progress, self.behind = writer, progress, behind
 
     def write_record(self, name: str, data: Any, size: int) -> None:
         if isinstance(data, str):
             data = data.encode()
         if isinstance(data, (bytes, bytearray)):
-            self.writer.add_bytes(_PREFIX + name, bytes(data[:size]))
+            record = bytes(data[:size])
+            self._write(lambda: self.writer.add_bytes(_PREFIX + name, record), len(record), record)
             return
         # A CPU UntypedStorage (torch copied any other device's to the CPU): its memory as it is.
         buf = (ctypes.c_ubyte * size).from_address(data.data_ptr()) if size else b""
-        self.writer.add_buffer(_PREFIX + name, buf, self.progress)
+        self._write(lambda: self.writer.add_buffer(_PREFIX + name, buf, self.progress), size, data)
+
+    def _write(self, write: Callable[[], object], nbytes: int, keep: object) -> None:
+        if self.behind is None:
+            write()
+        else:
+            self.behind.submit(write, nbytes, keep)
 
     def write_record_metadata(self, name: str, size: int) -> None:
         raise FallBack("skip_data")
@@ -117,9 +180,54 @@ def save_zip(obj: Any, f: BinaryIO, *, progress: Progress | None = None) -> None
         raise FallBack("torch.serialization._save is not the one this writer knows")
     alignment = getattr(torch.serialization, "_get_storage_alignment", lambda: 64)()
     writer = ZipWriter(f, alignment=alignment)
-    save(obj, _Records(writer, progress), pickle, 2, False)  # protocol 2, as torch.save
+    if not (OVERLAP and _on_a_device(obj)):
+        save(obj, _Records(writer, progress), pickle, 2, False)  # protocol 2, as torch.save
+    else:  # each storage's copy to the host overlaps the writing of the ones before it
+        behind = _Behind()
+        try:
+            with _pinned_copies():
+                save(obj, _Records(writer, progress, behind), pickle, 2, False)
+        except BaseException:
+            behind.finish(failed=True)
+            raise
+        behind.finish()
     writer.finish_torch_archive(_PREFIX)
     writer.close()
+
+
+def _on_a_device(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` (a state dict, a training state: containers of tensors) holds a tensor that
+    is not on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type != "cpu"
+    if depth > 32:
+        return False
+    if isinstance(obj, Mapping):
+        return any(_on_a_device(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_on_a_device(v, depth + 1) for v in obj)
+    return False
+
+
+@contextlib.contextmanager
+def _pinned_copies() -> Iterator[None]:
+    """torch's ``_save`` copies device storages into pinned host memory (which its caching host
+    allocator reuses once a storage is written) instead of pageable memory, where it can."""
+    try:
+        from torch.utils.serialization import config as serialization_config
+
+        config = serialization_config.save
+    except ImportError:  # torch before 2.7
+        config = None
+    if config is None or not hasattr(config, "use_pinned_memory_for_d2h"):
+        yield  # an older torch: pageable copies, still overlapped
+        return
+    before = config.use_pinned_memory_for_d2h
+    config.use_pinned_memory_for_d2h = True
+    try:
+        yield
+    finally:
+        config.use_pinned_memory_for_d2h = before
 
 
 def torch_load(
