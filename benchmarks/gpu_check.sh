@@ -3,7 +3,8 @@
 #   1. the GPU-saved fixtures (fixtures/make_gpu_fixtures.py);
 #   2. side by side: `python -m pytest -m cuda`, and `ckptkit train --device cuda` killed with
 #      SIGKILL and resumed, against an uninterrupted run (benchmarks/gpu_resume.py);
-#   3. save, background-save and load timings of 1 and 4 GiB on the GPU (benchmarks/bench_gpu.py).
+#   3. save, background-save and load timings of 1 and 4 GiB on the GPU, with the A/B of
+#      save_on_master's overlapped host copies (benchmarks/bench_gpu.py; about 5 minutes on an H100).
 # Each step has its own time limit, so one that hangs leaves the others' results.
 #
 #   bash benchmarks/gpu_check.sh [OUTDIR]       # default: $OUT, else out/gpu_check
@@ -18,7 +19,7 @@ mkdir -p "$out"
 logs=$(mktemp -d)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
-limit_tests=${LIMIT_TESTS:-300} limit_bench=${LIMIT_BENCH:-200} seconds=${TRAIN_SECONDS:-45}
+limit_tests=${LIMIT_TESTS:-300} limit_bench=${LIMIT_BENCH:-420} seconds=${TRAIN_SECONDS:-45}
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     $py -m pip install -q --no-index --no-deps --no-compile .whl/*.whl

@@ -107,8 +107,10 @@ def worker(root: int, rank: int) -> int:
 
 
 def records(out: Path) -> list[dict]:
+    """The trainer's metrics so far: a last line still being written is left for the next read."""
     path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
