@@ -270,7 +270,14 @@ def test_regenerated_with_deepspeed_matches(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     for stage in (1, 2, 3):
         fresh = torch.load(tmp_path / f"zero{stage}.expected.pt", weights_only=True)
-        assert_exact(fresh, expected("bf16", stage))  # seeded: the committed fixture is what DeepSpeed makes
+        # Seeded: the committed fixture is what DeepSpeed makes, up to the last bits of fp32 training
+        # arithmetic, which differ between CPUs (1.5e-8 on one CI machine). ckptkit's reading of the
+        # fresh folder is compared bit for bit below.
+        committed = expected("bf16", stage)
+        assert list(fresh) == list(committed)
+        for k, w in committed.items():
+            assert fresh[k].dtype == w.dtype and fresh[k].shape == w.shape, k
+            torch.testing.assert_close(fresh[k], w, rtol=1e-5, atol=1e-6, msg=k)
         ckptkit.convert_checkpoint(tmp_path / f"zero{stage}", tmp_path / f"{stage}.safetensors")
         assert_exact(ckptkit.read_checkpoint(tmp_path / f"{stage}.safetensors"), fresh)
 
