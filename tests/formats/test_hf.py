@@ -410,3 +410,25 @@ def test_pt_to_shards_and_back_never_imports_torch(tmp_path: Path) -> None:
     assert_same(
         torch.load(tmp_path / "back.pt", weights_only=True), torch.load(FIXTURES / "plain.pt", weights_only=True)
     )
+
+
+def test_an_index_of_another_name_converts(tmp_path: Path) -> None:
+    """diffusers names its index diffusion_pytorch_model.safetensors.index.json: convert reads the
+    index it is given, and measures that one."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state = {"a.w": torch.arange(6.0), "b.w": torch.ones(2, 2)}
+    save_file({"a.w": state["a.w"]}, tmp_path / "part-1.safetensors")
+    save_file({"b.w": state["b.w"]}, tmp_path / "part-2.safetensors")
+    index = tmp_path / "diffusion_pytorch_model.safetensors.index.json"
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    weight_map = {"a.w": "part-1.safetensors", "b.w": "part-2.safetensors"}
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    seen: list[int] = []
+    report = ckptkit.convert_checkpoint(index, tmp_path / "one.safetensors", progress=lambda n, of: seen.append(of))
+    on_disk = index.stat().st_size + sum(p.stat().st_size for p in tmp_path.glob("part-*"))
+    assert report.tensors == 2 and set(seen) == {on_disk}
+    got = ckptkit.read_checkpoint(tmp_path / "one.safetensors", map_location="cpu")
+    assert {k: torch.equal(v, state[k]) for k, v in got.items()} == dict.fromkeys(state, True)

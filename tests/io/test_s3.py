@@ -375,3 +375,12 @@ def test_a_store_without_credentials_is_one_line_naming_them(s3_endpoint: str, t
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert said in (proc.stdout if command == "verify" else proc.stderr)
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_url_ending_in_a_slash_is_refused_as_a_folder(tmp_path: Path) -> None:
+    """A trailing / asks for a folder, which ckptkit does not write to a store: refused before
+    anything is read (memory://, fsspec's own store, needs no server)."""
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    with pytest.raises(ckptkit.errors.ArgumentError, match="writes single objects to URLs, not folders"):
+        ckptkit.convert_checkpoint(src, "memory://bucket/out.safetensors/", force=True)

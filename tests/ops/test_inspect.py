@@ -55,3 +55,13 @@ def test_inspect_counts_tied_storage_once(fixtures_dir: Path) -> None:
     assert len(seen) < len(state)  # the fixture does hold a tied pair
     summary = ckptkit.inspect_checkpoint(fixtures_dir / "tied_ddp.pt")
     assert sum(summary.bytes_by_dtype.values()) == sum(seen.values())
+
+
+def test_a_trainer_folder_is_named_whichever_reader_runs(fixtures_dir: Path) -> None:
+    """Who wrote a Hugging Face folder comes from its files: with trust (torch reads the weights)
+    as without."""
+    folder = fixtures_dir / "frameworks" / "trainer" / "checkpoint-2"
+    for trust in (False, True):
+        summary = ckptkit.inspect_checkpoint(folder, trust=trust)
+        assert summary.loaded_with_torch is trust
+        assert summary.producer is not None and summary.producer["name"] == "hf-trainer"

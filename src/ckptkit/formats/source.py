@@ -23,7 +23,6 @@ from ..io.fileio import copy_range
 from .detect import DCP, HF, SAFETENSORS, ZIP, detect_format
 from .dtypes import BY_SAFETENSORS
 from .entry import Bytes, Entry
-from .hf.folders import describe_folder
 from .hf.index import HfIndex, check_shard_keys, read_index
 from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .pickles import reader as lp
@@ -82,6 +81,8 @@ class Source:
 
     @property
     def nbytes(self) -> int:
+        if self.index is not None:  # the index it was opened from, whatever its name
+            return self.index.total_bytes()
         return checkpoint_bytes(self.path, self.fmt)
 
     @property
@@ -99,8 +100,7 @@ class Source:
         return is_leaf(value)
 
     def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
-        """Names, shapes, dtypes and storages from the pickle or header alone; a Trainer,
-        Accelerate or ``save_pretrained`` folder named by what its files are."""
+        """Names, shapes, dtypes and storages from the pickle or header alone."""
 
         def info(name: str, ref: Any) -> tuple[TensorInfo, Any, int]:
             if isinstance(ref, StRef):  # an alias is the same object as its target
@@ -112,8 +112,7 @@ class Source:
             storage = (id(self.part(ref)), t.storage.key)  # keys repeat across shards
             return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), storage, lp.storage_nbytes(t.storage)
 
-        producer = describe_folder(self.path) if self.fmt == HF and self.path.is_dir() else None
-        return info, dict(self.metadata or {}), producer
+        return info, dict(self.metadata or {}), None
 
     def part(self, leaf: Any) -> Source:
         """The (single-file) Source whose file holds ``leaf``'s bytes."""

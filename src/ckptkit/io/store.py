@@ -33,7 +33,7 @@ class Local:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.spelled = os.fspath(path)
+        self.spelled = self.given = os.fspath(path)
 
     def __repr__(self) -> str:
         return f"Local({self.spelled!r})"
@@ -100,6 +100,7 @@ class Remote:
     holds_folders = False  # ckptkit writes single objects to a store, not folders
 
     def __init__(self, url: str) -> None:
+        self.given = url  # as written: a trailing / asks for a folder
         self.spelled = url.rstrip("/")
 
     def __repr__(self) -> str:

@@ -273,7 +273,7 @@ def _convert(
 def _why_torch(in_fmt: CheckpointFormat, out_fmt: CheckpointFormat, trust: bool) -> str:
     """Why this convert goes through torch from the start ("": the torch-free copy is tried first)."""
     if out_fmt.write_entries is None:
-        return f"{out_fmt.name} output: written by torch"
+        return out_fmt.written_by or f"{out_fmt.name} output: written by torch"
     if trust and in_fmt.trust_matters:
         return "trusted file: loaded with torch"
     if in_fmt.open is None:

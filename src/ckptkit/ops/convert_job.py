@@ -220,7 +220,7 @@ def staged_convert(
     are refused before anything is read."""
     if not dst.holds_folders:
         url = dst.spelled
-        if url.endswith("/") or options.get("max_shard_size") is not None or options.get("format") is not None:
+        if dst.given.endswith("/") or options.get("max_shard_size") is not None or options.get("format") is not None:
             raise ArgumentError(
                 f"{url}: ckptkit writes single objects to URLs, not folders (Hugging Face shards, DCP); write the folder "
                 f"to a local path and copy it (e.g. `aws s3 cp --recursive`), or name one object, e.g. {url.rstrip('/')}/model.safetensors"

@@ -194,6 +194,8 @@ def _inspect(path: str, *, key: str | None, trust: bool, allow_globals: AllowGlo
         loaded = read_with_torch(p, trust, allow_globals)
         summary.loaded_with_torch, summary.trusted = True, trust
     obj, is_tensor, info, meta, summary.pickled_module, hint, notes = loaded
+    if hint is None and fmt.producer is not None:
+        hint = fmt.producer(p)
     summary.notes += notes
     summary.metadata = meta
     try:

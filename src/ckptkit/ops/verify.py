@@ -7,6 +7,7 @@ torch loads only files whose globals all passed torch's weights-only allowlist.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -108,11 +109,12 @@ def verify_checkpoint(
         True
     """
     where = locate(path)
-    try:
-        with where.reading() as local:
-            report = _verify(local, full=full, progress=progress)
-    except CkptkitError as e:  # no such object, or its bytes differ from what ckptkit uploaded
-        return VerifyReport(where.spelled, checks=[Check("format", "integrity", False, str(e))], error=e)
+    with contextlib.ExitStack() as stack:
+        try:
+            local = stack.enter_context(where.reading())
+        except CkptkitError as e:  # no such object, or its bytes differ from what ckptkit uploaded
+            return VerifyReport(where.spelled, checks=[Check("format", "integrity", False, str(e))], error=e)
+        report = _verify(local, full=full, progress=progress)
     report.path = where.spell(report.path, local)
     report.checks = [dataclasses.replace(c, detail=where.spell(c.detail, local)) for c in report.checks]
     report.notes = [where.spell(n, local) for n in report.notes]

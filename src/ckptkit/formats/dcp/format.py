@@ -23,4 +23,5 @@ DCP_FORMAT = CheckpointFormat(
     open=_open,
     folder=True,  # written by DCP's own writer (its torch half): no torch-free writer
     owns=(is_dcp_file, "DCP files"),
+    written_by="DCP output: written by torch.distributed.checkpoint",
 )

@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..detect import HF
+from ..producers import Producer
 from ..source import open_source
 from ..spec import CheckpointFormat, View, WritePlan
 from .check import hf_check
+from .folders import describe_folder
 from .write import Written, write_shards
 
 
@@ -31,6 +33,12 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
     )
 
 
+def producer(path: Path) -> Producer | None:
+    """A Trainer ``checkpoint-N/``, an Accelerate ``save_state`` or a ``save_pretrained`` folder,
+    named by what its files are (an index file alone says nothing of who wrote it)."""
+    return describe_folder(path) if path.is_dir() else None
+
+
 HF_FORMAT = CheckpointFormat(
     name=HF,
     what="Hugging Face shards",
@@ -40,4 +48,5 @@ HF_FORMAT = CheckpointFormat(
     write_entries=write_entries,
     folder=True,
     tensors_only=True,
+    producer=producer,
 )

@@ -91,6 +91,8 @@ class FallBack(Exception):
 # overlaps the write of the previous ones, in bounded memory.
 IN_FLIGHT = 512 << 20
 OVERLAP = True  # benchmarks/bench_gpu.py switches it off for its A/B
+_PINNED_LOCK = threading.Lock()
+_PINNED: list[Any] = [0, False]  # saves inside _pinned_copies, and torch's setting before the first
 
 
 class _Behind:
@@ -131,11 +133,17 @@ class _Behind:
 
     def finish(self, *, failed: bool = False) -> None:
         """Wait for every record to be written; raise the first error (``failed``: the caller is
-        raising already: stop writing)."""
+        raising already: write nothing more, and wait for the write under way whatever comes,
+        since the caller closes the file next)."""
         if failed:
             self._error = self._error or CheckpointWriteError("stopped")
         self._queue.put(None)
-        self._thread.join()
+        if not failed:
+            self._thread.join()
+        else:
+            while self._thread.is_alive():
+                with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: still wait
+                    self._thread.join()
         if self._error is not None and not failed:
             raise self._error
 
@@ -187,10 +195,10 @@ def save_zip(obj: Any, f: BinaryIO, *, progress: Progress | None = None) -> None
         try:
             with _pinned_copies():
                 save(obj, _Records(writer, progress, behind), pickle, 2, False)
+            behind.finish()
         except BaseException:
             behind.finish(failed=True)
             raise
-        behind.finish()
     writer.finish_torch_archive(_PREFIX)
     writer.close()
 
@@ -222,12 +230,18 @@ def _pinned_copies() -> Iterator[None]:
     if config is None or not hasattr(config, "use_pinned_memory_for_d2h"):
         yield  # an older torch: pageable copies, still overlapped
         return
-    before = config.use_pinned_memory_for_d2h
-    config.use_pinned_memory_for_d2h = True
+    with _PINNED_LOCK:  # a process-wide setting: saves on several threads set and restore it once
+        if _PINNED[0] == 0:
+            _PINNED[1] = config.use_pinned_memory_for_d2h
+            config.use_pinned_memory_for_d2h = True
+        _PINNED[0] += 1
     try:
         yield
     finally:
-        config.use_pinned_memory_for_d2h = before
+        with _PINNED_LOCK:
+            _PINNED[0] -= 1
+            if _PINNED[0] == 0:
+                config.use_pinned_memory_for_d2h = _PINNED[1]
 
 
 def torch_load(
