@@ -207,3 +207,40 @@ def test_modules_stay_small(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= 600, (
         "split it by concept: a module holds one concept (a few hundred lines)"
     )
+
+
+_FORMAT_NAMES = {"ZIP", "LEGACY", "SAFETENSORS", "DCP", "HF", "DEEPSPEED"}  # formats.detect's constants
+
+
+def _names_a_format(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name | ast.Attribute):
+        return (node.id if isinstance(node, ast.Name) else node.attr) in _FORMAT_NAMES
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_names_a_format(e) for e in node.elts)
+    return False
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not _within(m, "ckptkit.formats", "ckptkit.io")))
+def test_outside_formats_nothing_branches_on_a_format(module: str) -> None:
+    """The operations ask the registry (a format's facts and verbs), never compare a format's name:
+    a new format then touches its own package and the registry only."""
+    tree = ast.parse(MODULES[module].read_text())
+    branches = [
+        f"line {node.lineno}: {ast.unparse(node)[:80]}"
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Compare) and any(_names_a_format(n) for n in [node.left, *node.comparators]))
+        or (isinstance(node, ast.Dict) and any(k is not None and _names_a_format(k) for k in node.keys))
+    ]
+    assert not branches, branches
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not _within(m, "ckptkit.io")))
+def test_paths_and_urls_are_told_apart_in_the_store_only(module: str) -> None:
+    """io.store.locate resolves a path or URL once, at the API's edge; nothing else asks is_url."""
+    calls = [
+        node.lineno
+        for node in ast.walk(ast.parse(MODULES[module].read_text()))
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) == "is_url" or getattr(node.func, "attr", None) == "is_url")
+    ]
+    assert not calls, f"{module} calls is_url on lines {calls}: use ckptkit.io.store.locate"
