@@ -1,12 +1,12 @@
-"""Checkpoint formats, read and written without torch.
+"""Checkpoint formats, each behind one interface (``spec.CheckpointFormat``), listed in ``registry``.
 
-Everything in this package is torch-free: it never imports torch, directly or through another
-module, so ``ckptkit convert`` and ``inspect`` run at copy speed and start in milliseconds
-(``tests/test_architecture.py`` imports each module in a fresh interpreter to hold that).
-One model of a checkpoint: every source opens as its object tree with ``entry.Entry`` tensors
+Everything here but each format's ``torch.py`` is torch-free: it never imports torch, directly or
+through another module, so ``ckptkit convert`` and ``inspect`` run at copy speed and start in
+milliseconds (``tests/test_architecture.py`` imports each module in a fresh interpreter to hold
+that). One model of a checkpoint: every source opens as its object tree with ``entry.Entry`` tensors
 (dtype, shape, where the bytes are and the CRC-32 they must have), selection and renaming act on
 that tree, and each output format has one writer that takes it: ``safetensors.write_safetensors``,
-``zipwrite.write_torch_zip``, ``hf.write.write_shards`` (DCP output is DCP's own writer).
+``torchzip.writer.write_torch_zip``, ``hf.write.write_shards`` (DCP output is DCP's own writer).
 
 One package per format, each holding its torch-free codec and, where the format needs torch, its
 torch half (``torch.py``, the only modules here that import torch):

@@ -1,4 +1,4 @@
-"""``ckptkit verify`` on a ``torch.distributed.checkpoint`` folder (split from :mod:`._verify`).
+"""What ``ckptkit verify`` reports of a ``torch.distributed.checkpoint`` folder.
 
 Example:
     >>> [c.name for c in dcp_checks(Path("ckpt_dcp"), False, None)]  # doctest: +SKIP

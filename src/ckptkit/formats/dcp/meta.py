@@ -7,7 +7,7 @@ length, transform_descriptors)``: where each chunk's bytes lie in the ``.distcp`
 ``planner_data`` (each flattened key's path in the nested state dict). Unpickled here with the
 pure-Python unpickler and inert stand-ins for DCP's own classes (:func:`ckptkit.formats.dcp.is_dcp_class`), it
 becomes the plain records below. A global outside those classes raises
-:class:`~.torchpickle.UnsupportedGlobal`; a structure this reader does not model raises
+:class:`~ckptkit.formats.pickles.reader.UnsupportedGlobal`; a structure this reader does not model raises
 :class:`~..source.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
 Two rules on those records live here too: where a key goes in the nested state dict
 (:func:`set_element`, as torch's reader places it) and how a tensor's chunks tile it along dim 0

@@ -188,7 +188,7 @@ def _save_alone(state: dict[str, Any], writer: Any) -> None:
     """``dcp.save`` in this process alone, even inside a process group (``no_dist=True``).
 
     torch 2.6's ``dcp.save`` has no ``no_dist`` (it infers it from whether a group exists);
-    its ``_save_state_dict``, which ``dcp.save`` calls, takes it (as ``_dcpread`` uses ``_load_state_dict``).
+    its ``_save_state_dict``, which ``dcp.save`` calls, takes it (as :func:`read_dcp` uses ``_load_state_dict``).
     """
     import torch.distributed.checkpoint as dcp
 
