@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -113,6 +113,48 @@ class View(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class EntryView:
+    """What the views whose tensors are entries themselves (a DCP or ZeRO folder's) answer alike;
+    a subclass sets ``folder`` and ``leaf_type``, and says what differs (``notes``, ``describe``)."""
+
+    folder: Path
+    leaf_type: type
+
+    @property
+    def name(self) -> str:
+        return str(self.folder)
+
+    @property
+    def notes(self) -> list[str]:
+        return []
+
+    @property
+    def pickled_module(self) -> str:
+        return ""
+
+    def output_metadata(self) -> dict[str, str]:
+        return {"format": "pt"}
+
+    def is_leaf(self, value: Any) -> bool:
+        return isinstance(value, self.leaf_type)
+
+    def entry(self, leaf: Any, name: str) -> Any:
+        return leaf  # its tensors are entries already
+
+    def records(self) -> None:
+        return None
+
+    @staticmethod
+    def entry_info(name: str, t: Any) -> tuple[TensorInfo, Any, int]:
+        """An entry's :class:`TensorInfo`, each entry its own storage."""
+        return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
+
+
+def entries_of(view: View, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each of ``view``'s tensors as the entry a writer copies."""
+    return {k: view.entry(v, k) if view.is_leaf(v) else v for k, v in state.items()}
 
 
 class Placement(Protocol):

@@ -32,7 +32,7 @@ from ..integrity import Check, Damage
 from ..pickles import reader as lp
 from ..producers import Producer
 from ..source import NeedsTorch, checkpoint_bytes
-from ..spec import Info, TensorInfo
+from ..spec import EntryView, Info
 from ..torchzip.container import SliceReader, TorchZip
 from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
 
@@ -111,7 +111,7 @@ class DcpTensor(Entry):
 
 
 @dataclass
-class DcpSource:
+class DcpSource(EntryView):
     """An opened DCP folder: ``obj``, the nested state dict with :class:`DcpTensor` leaves and
     plain values, and the open ``.distcp`` files its pieces are read from."""
 
@@ -120,6 +120,7 @@ class DcpSource:
     files: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
     damage: Damage = field(init=False)
+    leaf_type = DcpTensor
 
     def __post_init__(self) -> None:
         self.damage = Damage(str(self.folder), lambda key: f"tensor {key[0]} ({key[1].where})")
@@ -129,40 +130,12 @@ class DcpSource:
             f.close()
 
     @property
-    def name(self) -> str:
-        return str(self.folder)
-
-    @property
     def nbytes(self) -> int:
         return checkpoint_bytes(self.folder, DCP)
 
-    @property
-    def notes(self) -> list[str]:
-        return []
-
-    @property
-    def pickled_module(self) -> str:
-        return ""
-
-    def output_metadata(self) -> dict[str, str]:
-        return {"format": "pt"}
-
-    def is_leaf(self, value: Any) -> bool:
-        return is_leaf(value)
-
-    def entry(self, leaf: DcpTensor, name: str) -> DcpTensor:
-        return leaf  # its tensors are entries already
-
-    def records(self) -> None:
-        return None
-
     def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
         """Shapes, dtypes and where the bytes are, from ``.metadata`` and each chunk's zip header."""
-
-        def info(name: str, t: DcpTensor) -> tuple[TensorInfo, Any, int]:
-            return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
-
-        return info, {}, None
+        return self.entry_info, {}, None
 
     def copy(self, t: DcpTensor, dst: BinaryIO, progress: Progress | None = None) -> int:
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its

@@ -31,7 +31,7 @@ from ..entry import Entry
 from ..integrity import Damage, tensors_named
 from ..pickles import reader as tp
 from ..producers import Producer
-from ..spec import Info, TensorInfo
+from ..spec import EntryView, Info
 from ..torchzip.container import Record, TorchZip
 from . import rebuild as rb
 from .files import Layout, entry_of, find_layout, read_pickle
@@ -113,7 +113,7 @@ class RecordDamage(Damage):
 
 
 @dataclass
-class DsSource:
+class DsSource(EntryView):
     """An opened ZeRO folder: ``obj``, the rebuilt state dict (name -> :class:`DsTensor`, tied
     names one object), and the open rank files its pieces are read from.
 
@@ -131,6 +131,7 @@ class DsSource:
     files: list[BinaryIO] = field(default_factory=list)
     paths: list[Path] = field(default_factory=list)
     damage: RecordDamage = field(init=False)
+    leaf_type = DsTensor
 
     def __post_init__(self) -> None:
         self.damage = RecordDamage(self)
@@ -151,37 +152,13 @@ class DsSource:
         return f"fp32 master weights partitioned across {self.world_size} *_optim_states.pt in {self.layout.tag}/"
 
     @property
-    def name(self) -> str:
-        return str(self.folder)
-
-    @property
     def notes(self) -> list[str]:
         return [f"{self.description}: {self.weights_from}"]
 
-    @property
-    def pickled_module(self) -> str:
-        return ""
-
-    def output_metadata(self) -> dict[str, str]:
-        return {"format": "pt"}
-
-    def is_leaf(self, value: Any) -> bool:
-        return is_leaf(value)
-
-    def entry(self, leaf: DsTensor, name: str) -> DsTensor:
-        return leaf  # its tensors are entries already
-
-    def records(self) -> None:
-        return None
-
     def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
         """The rebuilt names, shapes and dtypes, read from the pickles alone; DeepSpeed as the producer."""
-
-        def info(name: str, t: DsTensor) -> tuple[TensorInfo, Any, int]:
-            return TensorInfo(name, list(t.shape), t.dtype, "cpu", t.nbytes), id(t), t.nbytes
-
         meta = {"deepspeed": self.description, "weights": self.weights_from}
-        return info, meta, Producer("deepspeed", self.description, notes=[self.weights_from])
+        return self.entry_info, meta, Producer("deepspeed", self.description, notes=[self.weights_from])
 
     @property
     def nbytes(self) -> int:

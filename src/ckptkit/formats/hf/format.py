@@ -8,7 +8,7 @@ from typing import Any, BinaryIO
 from ..detect import HF
 from ..producers import Producer
 from ..source import open_source
-from ..spec import CheckpointFormat, View, WritePlan
+from ..spec import CheckpointFormat, View, WritePlan, entries_of
 from .check import hf_check
 from .folders import describe_folder
 from .write import Written, write_shards
@@ -22,7 +22,7 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
     """The weights ``state`` as a folder of safetensors shards at ``target``, each tensor's bytes
     copied from ``view``; the folder appears only once ``view`` found no damage."""
     assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
-    tensors = {k: view.entry(v, k) if view.is_leaf(v) else v for k, v in state.items()}
+    tensors = entries_of(view, state)
     return write_shards(
         target,
         tensors,

@@ -9,7 +9,7 @@ from ...io.fileio import Progress
 from ..detect import SAFETENSORS
 from ..integrity import Check, safetensors_checks
 from ..source import open_source
-from ..spec import CheckpointFormat, View, WritePlan
+from ..spec import CheckpointFormat, View, WritePlan, entries_of
 from .codec import parse_aliases, read_header, write_safetensors
 
 
@@ -33,7 +33,7 @@ def tied_names(dest: Path) -> list[str]:
 def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, plan: WritePlan) -> None:
     """The weights ``state`` as one safetensors file, each tensor's bytes copied from ``view``."""
     assert not isinstance(target, Path)  # a file format: its writer gets the open file
-    tensors = {k: view.entry(v, k) if view.is_leaf(v) else v for k, v in state.items()}
+    tensors = entries_of(view, state)
     write_safetensors(target, tensors, view.output_metadata(), source=view.name, progress=plan.progress)
 
 
