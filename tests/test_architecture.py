@@ -209,7 +209,7 @@ def test_modules_stay_small(path: Path) -> None:
     )
 
 
-_FORMAT_NAMES = {"ZIP", "LEGACY", "SAFETENSORS", "DCP", "HF", "DEEPSPEED"}  # formats.detect's constants
+_FORMAT_NAMES = {"ZIP", "LEGACY", "SAFETENSORS", "DCP", "HF", "DEEPSPEED"}  # the formats' detect.py names
 
 
 def _names_a_format(node: ast.AST) -> bool:
@@ -244,3 +244,14 @@ def test_paths_and_urls_are_told_apart_in_the_store_only(module: str) -> None:
         and (getattr(node.func, "id", None) == "is_url" or getattr(node.func, "attr", None) == "is_url")
     ]
     assert not calls, f"{module} calls is_url on lines {calls}: use ckptkit.io.store.locate"
+
+
+def test_each_format_detects_itself() -> None:
+    """A format's detection rule is its package's ``detect.py``; the walk over them (formats.detect)
+    imports no format, so a new format touches its own package and the registry line only."""
+    from ckptkit.formats.registry import FORMATS
+
+    for fmt in FORMATS.values():
+        assert fmt.signature.matches.__module__ == f"{fmt.package}.detect", fmt.name
+    walk = {m for m in GRAPH["ckptkit.formats.detect"][0] if m.startswith("ckptkit.formats")}
+    assert not walk, f"formats.detect imports {sorted(walk)}: it must know no format"

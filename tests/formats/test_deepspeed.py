@@ -23,11 +23,12 @@ from click.testing import CliRunner
 import ckptkit
 from ckptkit.cli import main
 from ckptkit.errors import ArgumentError, CheckpointFormatError, PartialCheckpointError
+from ckptkit.formats.deepspeed.detect import DEEPSPEED
 from ckptkit.formats.deepspeed.rebuild import to_float32
 from ckptkit.formats.deepspeed.stream import open_deepspeed
-from ckptkit.formats.detect import DEEPSPEED, detect_format
 from ckptkit.formats.entry import Bytes
 from ckptkit.formats.pickles.dump import new_tensor
+from ckptkit.formats.registry import detect
 from ckptkit.formats.torchzip.writer import write_torch_zip
 from ckptkit.io.atomic import TMP_SUFFIX
 from tests.torchfree import run_torch_free
@@ -97,8 +98,8 @@ def no_temps(where: Path) -> bool:
 
 @pytest.mark.parametrize(("mode", "stage"), CASES)
 def test_detected_and_read_exactly(mode: str, stage: int) -> None:
-    assert detect_format(folder(mode, stage)) == DEEPSPEED
-    assert detect_format(folder(mode, stage) / "global_step3") == DEEPSPEED  # the tag folder itself
+    assert detect(folder(mode, stage)).name == DEEPSPEED
+    assert detect(folder(mode, stage) / "global_step3").name == DEEPSPEED  # the tag folder itself
     assert_exact(ckptkit.read_checkpoint(folder(mode, stage)), expected(mode, stage))
     assert_exact(ckptkit.read_checkpoint(folder(mode, stage) / "global_step3"), expected(mode, stage))
 
@@ -230,7 +231,7 @@ def test_latest_naming_a_missing_tag(tmp_path: Path) -> None:
     shutil.copytree(folder("bf16", 1), tmp_path / "z")
     (tmp_path / "z" / "latest").write_text("global_step9")
     with pytest.raises(CheckpointFormatError, match="global_step9.*global_step3"):
-        detect_format(tmp_path / "z")
+        detect(tmp_path / "z")
 
 
 def test_missing_rank_is_refused(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ that tree, and each output format has one writer that takes it: ``safetensors.wr
 One package per format, each holding its torch-free codec and, where the format needs torch, its
 torch half (``torch.py``, the only modules here that import torch):
 
-- ``entry``: the model; ``detect``: which format a path holds; ``dtypes``: the one dtype table;
+- ``entry``: the model; ``detect``: the walk over each format's ``Signature`` (its package's
+  ``detect.py``); ``dtypes``: the one dtype table;
 - ``torchzip/``: torch's zip: ``container`` (read), ``writer`` (its one writer), ``directory``
   (read by miniz's rules), ``bounds`` (declared sizes against real bytes), ``modulepickle`` and
   ``moduletree`` (a whole pickled module read as its state dict), ``torch`` (torch's pickling);

@@ -22,13 +22,15 @@ from typing import Any, BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, summarize
 from ..io.fileio import Progress, crc32, crc_of_range
-from .detect import HF, SAFETENSORS, ZIP, detect_format
+from .hf.detect import HF, shard_format
 from .hf.index import read_index
 from .pickles import reader as tp
 from .safetensors.codec import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
+from .safetensors.detect import SAFETENSORS
 from .torchzip import modulepickle as mp
 from .torchzip.bounds import storage_problem, tensor_problems, tensors_in
 from .torchzip.container import Record, TorchZip
+from .torchzip.detect import ZIP
 
 Kind = Literal["integrity", "safety"]
 
@@ -214,7 +216,7 @@ def check_recorded_crcs(path: str | os.PathLike[str], fmt: str, *, progress: Pro
     if fmt == HF:
         index = read_index(source)
         for shard in index.shards:
-            check_recorded_crcs(index.folder / shard, detect_format(index.folder / shard), progress=progress)
+            check_recorded_crcs(index.folder / shard, shard_format(index.path, index.folder, shard), progress=progress)
     elif fmt == ZIP:
         with TorchZip(source) as z:
             pickled = functools.cache(lambda: _stand_ins(z))

@@ -1,8 +1,8 @@
 """The one registry of checkpoint formats: the operations ask it, never a format's name.
 
 Each format's package describes itself with one :class:`~.spec.CheckpointFormat` in its
-``format.py``; adding a format is that package plus one line in :data:`FORMATS` (and its
-detection rule in :mod:`.detect`).
+``format.py``; adding a format is that package plus one line in :data:`FORMATS`. A path is the
+first format in :data:`FORMATS` whose signature it matches.
 
 Example:
     >>> for_suffix("model.SafeTensors").name, for_suffix("model_best.pth.tar").name
@@ -23,8 +23,9 @@ from .safetensors.format import SAFETENSORS_FORMAT
 from .spec import CheckpointFormat
 from .torchzip.format import TORCH_LEGACY, TORCH_ZIP
 
+# In the order detection asks them: a folder holding DCP's .metadata and HF shards is a DCP folder.
 FORMATS: dict[str, CheckpointFormat] = {
-    f.name: f for f in (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS_FORMAT, HF_FORMAT, DCP_FORMAT, DEEPSPEED_FORMAT)
+    f.name: f for f in (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS_FORMAT, DCP_FORMAT, HF_FORMAT, DEEPSPEED_FORMAT)
 }
 
 # An output's suffix (lowercase) -> its format.
@@ -37,8 +38,15 @@ def get(name: str) -> CheckpointFormat:
 
 
 def detect(path: str | os.PathLike[str]) -> CheckpointFormat:
-    """The format ``path`` holds (:func:`~.detect.detect_format`'s errors where none)."""
-    return FORMATS[detect_format(path)]
+    """The format ``path`` holds: the first whose signature it matches.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        UnsupportedCheckpointError: an intact file of a kind ckptkit does not read (a
+            TorchScript or torch.export archive).
+        CheckpointFormatError: not a checkpoint of any format here.
+    """
+    return FORMATS[detect_format(path, [f.signature for f in FORMATS.values()])]
 
 
 def for_suffix(path: str | os.PathLike[str], *, default: str | None = TORCH_ZIP.name) -> CheckpointFormat:

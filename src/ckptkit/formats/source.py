@@ -20,18 +20,20 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
 from ..io.fileio import copy_range
-from .detect import DCP, HF, SAFETENSORS, ZIP, detect_format
 from .dtypes import BY_SAFETENSORS
 from .entry import Bytes, Entry
+from .hf.detect import HF, shard_format
 from .hf.index import HfIndex, check_shard_keys, read_index
 from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .pickles import reader as lp
 from .producers import Producer
 from .safetensors.codec import insert_aliases, parse_aliases, parse_crcs, read_header
+from .safetensors.detect import SAFETENSORS
 from .spec import Info, TensorInfo
 from .torchzip import modulepickle as mp
 from .torchzip.bounds import check_tensors
 from .torchzip.container import Record, TorchZip
+from .torchzip.detect import ZIP
 
 
 class NeedsTorch(Exception):
@@ -305,10 +307,7 @@ def _open_shards(index: HfIndex) -> Source:
     try:
         for shard in index.shards:
             path = index.folder / shard
-            fmt = detect_format(path)
-            if fmt in (HF, DCP):  # an index naming an index (itself), or a folder: not a file of tensors
-                raise CheckpointFormatError(f"{index.path}: shard {shard} is not a file of tensors")
-            part = open_source(path, fmt)
+            part = open_source(path, shard_format(index.path, index.folder, shard))
             merged.parts.append(part)
             if not isinstance(part.obj, Mapping) or not all(is_leaf(v) for v in part.obj.values()):
                 raise CheckpointFormatError(f"{path}: a shard of {index.path} must hold a flat mapping of tensors")

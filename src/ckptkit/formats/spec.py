@@ -2,9 +2,12 @@
 operations ask of it instead of branching on its name.
 
 A format's package (``formats/safetensors/`` ...) implements the verbs in a module named
-``format.py`` and describes itself there with one :class:`CheckpointFormat`; ``formats/registry.py``
+``format.py`` (its detection rule in ``detect.py``, which the other verbs' modules import) and
+describes itself there with one :class:`CheckpointFormat`; ``formats/registry.py``
 lists them. The verbs:
 
+- ``detect``: whether a path is one (its :class:`~.detect.Signature`, in the package's
+  ``detect.py``, with the format's name and the file names that mark it).
 - ``open``: the checkpoint as an object tree whose tensors are entries (a :class:`View`), torch-free;
   ``NeedsTorch`` where it holds what this path does not model. None: only torch reads it.
 - ``check``: what ``verify`` reports of it (:class:`~.integrity.Check` s), through the same parser
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+
+from .detect import Signature
 
 if TYPE_CHECKING:
     from ..io.fileio import Progress
@@ -176,8 +181,8 @@ class CheckpointFormat:
     """One format: its facts, its torch-free verbs, and where its torch half is.
 
     Attributes:
-        name: as ``detect_format`` and reports spell it (``"safetensors"``).
-        what: as messages name one (``"a safetensors file"``).
+        signature: what it looks like on disk (its package's ``detect.py``): its ``name``, as
+            reports spell it, ``what`` messages call one, and its detection rule.
         package: its package, whose ``torch`` module is its torch half.
         check: ``check(path, full, progress)``: what ``verify`` reports.
         open: ``open(path, zero_weights=...)``: a :class:`View`; None: only torch reads it.
@@ -200,8 +205,7 @@ class CheckpointFormat:
             are called; ``--force`` replaces a folder holding nothing else.
     """
 
-    name: str
-    what: str
+    signature: Signature
     package: str
     check: Callable[[Path, bool, Progress | None], list[Check]]
     open: Callable[..., View] | None = None
@@ -218,6 +222,16 @@ class CheckpointFormat:
     producer: Callable[[Path], Producer | None] | None = field(default=None, repr=False)
     written_by: str = ""
     owns: tuple[Callable[[str], bool], str] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        """As reports spell it (``"safetensors"``)."""
+        return self.signature.name
+
+    @property
+    def what(self) -> str:
+        """As messages name one (``"a safetensors file"``)."""
+        return self.signature.what
 
     def torch(self) -> ModuleType:
         """The torch half: ``read(path, *, placement, trust, allow_globals, mmap, zero_weights)`` and

@@ -18,7 +18,8 @@ from ..errors import ArgumentError, spell
 from ..formats import registry
 from ..formats.cast import Cast, target_dtype
 from ..formats.deepspeed.files import check_zero_source
-from ..formats.detect import HF, check_exists
+from ..formats.detect import check_exists
+from ..formats.hf.detect import HF
 from ..formats.hf.index import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..formats.hf.write import check_destination
 from ..formats.integrity import check_recorded_crcs

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import CheckpointFormatError, CkptkitError, UnsupportedCheckpointError
 from ..formats import registry
-from ..formats.detect import check_exists, detect_format
+from ..formats.detect import check_exists
 from ..formats.hf.index import shard_note
 from ..formats.integrity import Check
 from ..formats.pickles.safety import AllowGlobals, global_name, resolve_globals, unsafe_error
@@ -126,7 +126,7 @@ def _verify(path: str, *, full: bool, progress: Callable[[int, int], None] | Non
     report = VerifyReport(os.fspath(path))
     try:
         p = check_exists(path)
-        report.format = detect_format(p)
+        report.format = registry.detect(p).name
     except CkptkitError as e:
         report.error = e
         report.checks.append(Check("format", "integrity", False, str(e)))

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import registry
-from ..formats.detect import ZIP
 from ..formats.integrity import check_written
 from ..formats.spec import CheckpointFormat, WritePlan
+from ..formats.torchzip.detect import ZIP
 from ..io.atomic import atomic_write
 from ..io.store import locate
 

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 from ...io.fileio import ClampedReader
-from ..detect import DCP_METADATA
 from ..dtypes import BY_NAME
 from ..pickles.scan import pickle_globals
+from .detect import DCP_METADATA
 
 # Exact names: a protocol-4 pickle can name a dotted attribute of a module (STACK_GLOBAL with
 # qualname "os.system" in torch.distributed.checkpoint.metadata is os.system), so a prefix

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..detect import DCP, is_dcp_file
 from ..spec import CheckpointFormat, View
 from .check import dcp_checks
+from .detect import SIGNATURE, is_dcp_file
 from .stream import open_dcp
 
 
@@ -16,8 +16,7 @@ def _open(path: Path, *, lazy: bool = False, **_: Any) -> View:
 
 
 DCP_FORMAT = CheckpointFormat(
-    name=DCP,
-    what="a torch.distributed.checkpoint folder",
+    signature=SIGNATURE,
     package="ckptkit.formats.dcp",
     check=dcp_checks,
     open=_open,

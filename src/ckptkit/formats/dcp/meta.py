@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError
-from ..detect import DCP_METADATA
 from ..dtypes import BY_NAME
 from ..pickles import reader as lp
 from ..source import NeedsTorch
 from . import is_dcp_class
+from .detect import DCP_METADATA
 
 _META = "torch.distributed.checkpoint.metadata."
 

@@ -25,7 +25,6 @@ from typing import Any, BinaryIO, NamedTuple
 from ...errors import CheckpointFormatError, summarize
 from ...io.crcmath import crc32_combine
 from ...io.fileio import Progress, copy_range, crc_of_range
-from ..detect import DCP
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Check, Damage
@@ -34,6 +33,7 @@ from ..producers import Producer
 from ..source import NeedsTorch, checkpoint_bytes
 from ..spec import EntryView, Info
 from ..torchzip.container import SliceReader, TorchZip
+from .detect import DCP
 from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
 
 __all__ = ["DcpSource", "DcpTensor", "Piece", "chunk_crc_check", "is_leaf", "open_dcp"]

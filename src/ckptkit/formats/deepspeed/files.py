@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ArgumentError, CheckpointFormatError, PartialCheckpointError, UnsupportedCheckpointError, spell
-from ..detect import DEEPSPEED, ZIP, deepspeed_tag_folder
 from ..pickles import reader as tp
 from ..pickles.globals import DEEPSPEED_GLOBALS, TENSOR_BUILDERS, python3_name
 from ..torchzip.container import TorchZip
+from ..torchzip.detect import ZIP
+from .detect import DEEPSPEED, deepspeed_tag_folder
 
 RANK_MODEL_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 _MP_RANK = re.compile(r"mp_rank_(\d+)")

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ...io.fileio import Progress
-from ..detect import DEEPSPEED
 from ..integrity import Check
 from ..spec import CheckpointFormat, View
 from . import zero_checks
+from .detect import SIGNATURE
 from .stream import open_deepspeed
 
 
@@ -22,8 +22,7 @@ def _open(path: Path, *, zero_weights: Literal["fp32", "module"] = "fp32", **_: 
 
 
 DEEPSPEED_FORMAT = CheckpointFormat(
-    name=DEEPSPEED,
-    what="a DeepSpeed ZeRO folder",
+    signature=SIGNATURE,
     package="ckptkit.formats.deepspeed",
     check=check,
     open=_open,

@@ -14,12 +14,14 @@ from pathlib import Path
 
 from ...errors import CheckpointFormatError, CkptkitError
 from ...io.fileio import Progress
-from ..detect import HF, LEGACY, SAFETENSORS, ZIP, detect_format
 from ..integrity import Check
 from ..pickles.reader import UnsupportedGlobal
+from ..safetensors.detect import SAFETENSORS
 from ..safetensors.format import check as safetensors_check
 from ..source import NeedsTorch, open_source
 from ..torchzip.check import legacy_check, zip_check
+from ..torchzip.detect import LEGACY, ZIP
+from .detect import HF, shard_format
 from .index import read_index
 
 # What a shard may be, and how each is checked.
@@ -32,10 +34,7 @@ def hf_check(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     for shard in index.shards:
         path = index.folder / shard
         try:
-            fmt = detect_format(path)
-            if fmt not in _SHARD_CHECKS:
-                raise CheckpointFormatError(f"{path}: a {fmt} is not a shard")
-            found = _SHARD_CHECKS[fmt](path, full, progress)
+            found = _SHARD_CHECKS[shard_format(index.path, index.folder, shard)](path, full, progress)
         except CkptkitError as e:
             found = [Check("structure", "integrity", False, str(e))]
         checks += [dataclasses.replace(c, name=f"{shard}: {c.name}") for c in found]

@@ -17,8 +17,8 @@ import json
 import re
 from pathlib import Path
 
-from ..detect import HF_INDEXES, HF_SINGLE
 from ..producers import Producer
+from .detect import HF_INDEXES, HF_SINGLE
 from .index import HF_FILE
 
 _STEP = re.compile(r"^checkpoint-(\d+)$")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..detect import HF
 from ..producers import Producer
 from ..source import open_source
 from ..spec import CheckpointFormat, View, WritePlan, entries_of
 from .check import hf_check
+from .detect import HF, SIGNATURE
 from .folders import describe_folder
 from .write import Written, write_shards
 
@@ -40,8 +40,7 @@ def producer(path: Path) -> Producer | None:
 
 
 HF_FORMAT = CheckpointFormat(
-    name=HF,
-    what="Hugging Face shards",
+    signature=SIGNATURE,
     package="ckptkit.formats.hf",
     check=hf_check,
     open=_open,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ArgumentError, CheckpointFormatError, spell, summarize
-from ..detect import HF_INDEXES, HF_SINGLE
 from ..safetensors.codec import read_header
+from .detect import HF_INDEXES, HF_SINGLE
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"  # huggingface_hub's SAFETENSORS_WEIGHTS_FILE_PATTERN
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's MAX_SHARD_SIZE

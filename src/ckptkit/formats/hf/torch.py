@@ -16,12 +16,14 @@ from typing import Any, BinaryIO
 
 from ...errors import CheckpointFormatError
 from ..deepspeed.files import refuse_rank_file
-from ..detect import LEGACY, SAFETENSORS, ZIP, detect_format
+from ..safetensors.detect import SAFETENSORS
 from ..safetensors.torch import entries
 from ..safetensors.torch import read as safetensors_read
 from ..source import NeedsTorch
 from ..spec import Placement, WritePlan
+from ..torchzip.detect import LEGACY, ZIP
 from ..torchzip.torch import read as zip_read
+from .detect import shard_format
 from .index import check_shard_keys, read_index
 from .write import Written, write_shards
 
@@ -61,9 +63,7 @@ def read(
     shards: dict[str, Any] = {}
     for shard in index.shards:
         file = index.folder / shard
-        shard_fmt = detect_format(file)
-        if shard_fmt not in _SHARD_READERS:
-            raise CheckpointFormatError(f"{index.path}: shard {shard} is not a file of tensors")
+        shard_fmt = shard_format(index.path, index.folder, shard)
         if shard_fmt == ZIP:
             refuse_rank_file(file)
         options = {"trust": trust, "allow_globals": allow_globals, "mmap": mmap}

@@ -23,11 +23,11 @@ from typing import Any, BinaryIO
 from ...errors import ArgumentError, summarize
 from ...io.atomicdir import atomic_folder, check_folder_destination
 from ...io.fileio import Progress
-from ..detect import HF, HF_INDEXES
 from ..entry import Entry
 from ..integrity import check_written
 from ..safetensors.codec import write_safetensors
 from ..source import NeedsTorch
+from .detect import HF, HF_INDEXES
 from .index import HF_FILE, drop_tied, index_bytes, split
 
 _OPEN_AT_MOST = 64  # shard files kept open for their fsync at the end (well under any descriptor limit)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ArgumentError, UnsafeCheckpointError, spell, summarize
-from ..detect import LEGACY, ZIP, detect_format
+from ..detect import sniff
 from ..torchzip.bounds import check_storage_bounds
+from ..torchzip.detect import LEGACY, TORCH_FILES
 from .scan import checkpoint_globals
 
 AllowGlobals = Sequence[Any]  # classes, functions, (object, "name") pairs or "module.Name" strings
@@ -265,9 +266,10 @@ def needed_globals(
         ('numpy._core.multiarray.scalar', 'numpy.dtype', 'numpy.dtypes.Float64DType', ...)
     """
     names = filter_unsafe(checkpoint_globals(path) if first_guess is None else first_guess, allow)
-    fmt = detect_format(path)
-    if fmt not in (ZIP, LEGACY) or importlib.util.find_spec("torch") is None:
+    torch_file = sniff(path, TORCH_FILES)
+    if torch_file is None or importlib.util.find_spec("torch") is None:
         return Needs(tuple(names))
+    fmt = torch_file.name
     import torch
 
     with open(path, "rb") as f:

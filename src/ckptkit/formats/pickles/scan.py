@@ -27,8 +27,9 @@ from typing import Any, BinaryIO, cast
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError
 from ...io.fileio import ClampedReader
-from ..detect import LEGACY, ZIP, detect_format
+from ..detect import sniff
 from ..dtypes import NUMPY_DTYPE_CLASSES
+from ..torchzip.detect import LEGACY, TORCH_FILES, ZIP
 from .globals import python3_name
 
 _STRING_OPS = frozenset(
@@ -116,7 +117,8 @@ def _pop(stack: list[Any], op: pickletools.OpcodeInfo) -> list[Any]:
 
 def checkpoint_globals(path: str | os.PathLike[str]) -> list[str]:
     """The globals a torch checkpoint's pickle(s) need, de-duplicated, in first-use order."""
-    fmt = detect_format(path)
+    found = sniff(path, TORCH_FILES)
+    fmt = found.name if found is not None else ""
     names: list[str] = []
     if fmt == ZIP:
         try:

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...io.fileio import Progress
-from ..detect import SAFETENSORS
 from ..integrity import Check, safetensors_checks
 from ..source import open_source
 from ..spec import CheckpointFormat, View, WritePlan, entries_of
 from .codec import parse_aliases, read_header, write_safetensors
+from .detect import SAFETENSORS, SIGNATURE
 
 
 def check(p: Path, full: bool, progress: Progress | None) -> list[Check]:
@@ -38,8 +38,7 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
 
 
 SAFETENSORS_FORMAT = CheckpointFormat(
-    name=SAFETENSORS,
-    what="a safetensors file",
+    signature=SIGNATURE,
     package="ckptkit.formats.safetensors",
     check=check,
     open=_open,

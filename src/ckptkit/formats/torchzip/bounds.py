@@ -15,9 +15,9 @@ from typing import Any, BinaryIO
 
 from ...errors import CheckpointFormatError, summarize
 from ...io.fileio import ClampedReader
-from ..detect import LEGACY, ZIP
 from ..pickles import reader as lp
 from .container import TorchZip
+from .detect import LEGACY, ZIP
 
 
 def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: BinaryIO) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from ...errors import CkptkitError, UnsafeCheckpointError
 from ...io.fileio import Progress
-from ..detect import LEGACY, ZIP
 from ..integrity import Check, zip_checks
 from ..pickles.safety import needed_globals, needs_text, unsafe_error
 from .container import TorchZip
+from .detect import LEGACY, ZIP
 
 
 def zip_check(p: Path, full: bool, progress: Progress | None) -> list[Check]:

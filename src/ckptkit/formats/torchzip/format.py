@@ -9,13 +9,13 @@ from typing import Any, BinaryIO
 
 from ...errors import CkptkitError
 from ..deepspeed.files import refuse_rank_file
-from ..detect import LEGACY, ZIP
 from ..entry import Entry, map_entries
 from ..source import open_source
 from ..spec import CheckpointFormat, View, WritePlan
 from . import modulepickle as mp
 from .check import legacy_check, zip_check
 from .container import TorchZip
+from .detect import LEGACY_SIGNATURE, ZIP, ZIP_SIGNATURE
 from .writer import write_torch_zip
 
 
@@ -51,8 +51,7 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
 
 
 TORCH_ZIP = CheckpointFormat(
-    name=ZIP,
-    what="a torch zip file",
+    signature=ZIP_SIGNATURE,
     package="ckptkit.formats.torchzip",
     check=zip_check,
     open=_open,
@@ -66,8 +65,7 @@ TORCH_ZIP = CheckpointFormat(
 )
 
 TORCH_LEGACY = CheckpointFormat(
-    name=LEGACY,
-    what="a legacy torch file",
+    signature=LEGACY_SIGNATURE,
     package="ckptkit.formats.torchzip",
     check=legacy_check,
     device_tags=True,

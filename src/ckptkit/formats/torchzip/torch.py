@@ -58,7 +58,6 @@ from ...errors import (
     summarize,
 )
 from ...io.fileio import Progress
-from ..detect import LEGACY
 from ..integrity import record_crc, zip_checks
 from ..pickles.reader import StorageRef
 from ..pickles.safety import (
@@ -74,6 +73,7 @@ from ..spec import Placement, WritePlan
 from . import modulepickle as mp
 from .bounds import check_storage_bounds, storage_problem
 from .container import TorchZip
+from .detect import LEGACY
 from .writer import ZipWriter
 
 MapLocation = Any  # str | torch.device | dict[str, str] | Callable[[storage, str], storage], resolved by the caller
