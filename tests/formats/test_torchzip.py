@@ -79,6 +79,39 @@ class _View:
         return torch._utils._rebuild_tensor_v2, (storage, 0, self.size, self.stride, False, collections.OrderedDict())
 
 
+class _Short:
+    """Pickles as ``_rebuild_tensor_v2`` called with 4 of its 6 arguments."""
+
+    def __reduce_ex__(self, protocol: int) -> object:
+        storage = torch.storage.TypedStorage(
+            wrap_storage=torch.arange(6.0).untyped_storage(), dtype=torch.float32, _internal=True
+        )
+        return torch._utils._rebuild_tensor_v2, (storage, 0, (6,), (1,))
+
+
+def added_to_pickle(opcodes: bytes) -> Rewrite:
+    """``data.pkl`` with one more top-level item, built by ``opcodes`` (a key, then a value)."""
+    return lambda n, d: (n, d[:-1] + opcodes + b"s." if n.endswith("/data.pkl") else d)
+
+
+def flipped_in_central_name(record: bytes, at: int) -> Callable[[Path, Path], Path]:
+    """The file as ckptkit rewrites it, with the top bit of byte ``at`` of ``record``'s name in the
+    central directory set."""
+
+    def flip(src: Path, dst: Path) -> Path:
+        ckptkit.convert_checkpoint(src, dst)
+        with zipfile.ZipFile(dst) as z:
+            assert all(i.flag_bits & 0x800 for i in z.infolist())  # names are UTF-8, as torch.save flags them
+        data = bytearray(dst.read_bytes())
+        data[data.rfind(record) + at] |= 0x80
+        dst.write_bytes(bytes(data))
+        return dst
+
+    return flip
+
+
+_KEY = b"X\x01\x00\x00\x00x"  # BINUNICODE "x"
+
 DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
     "version 0": lambda b, o: rewrite_records(b, o, replace("/version", b"0\n")),
     "version 11 (newer than torch reads)": lambda b, o: rewrite_records(b, o, replace("/version", b"11\n")),
@@ -105,6 +138,14 @@ DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
     "zip64 end record shorter than its fields": lambda b, o: patch_at(b, o, b"PK\x06\x06", 4, "<Q", 40),
     "tensor with fewer strides than dimensions": lambda b, o: saved(o, {"w": _View((2, 3), (1,))}),
     "tensor view past its storage": lambda b, o: saved(o, {"w": _View((2, 3), (30, 1))}),
+    # torch requires a record's size to equal what the pickle declares, not merely to hold it
+    "storage record longer than declared": lambda b, o: rewrite_records(
+        b, o, lambda n, d: (n, d + bytes(4) if n.endswith("/data/0") else d)
+    ),
+    "tensor rebuilt with too few arguments": lambda b, o: saved(o, {"w": _Short()}),
+    "tensor size nested in a tuple": lambda b, o: saved(o, {"w": _View(((6,),), (1,))}),  # type: ignore[arg-type]
+    # torch decodes every record name as UTF-8 (ckptkit's writer set no flag, so zipfile read cp437)
+    "record name not UTF-8, in a file ckptkit wrote": flipped_in_central_name(b"/byteorder", 5),
 }
 
 
@@ -119,6 +160,26 @@ def test_what_torch_refuses_verify_fails_and_convert_refuses(tmp_path: Path, dam
     with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError, ValueError, ... by case
         torch.load(bad, weights_only=True)
     assert_refused(bad, tmp_path)
+
+
+# Opcodes torch's weights-only unpickler lacks: the file loads only with trust, as torch's does.
+OPCODES = {"LIST": _KEY + b"(K\x01l", "DUP": _KEY + b"K\x012\x86", "POP": _KEY + b"K\x01K\x020"}
+
+
+@pytest.mark.parametrize("opcode", sorted(OPCODES))
+def test_an_opcode_torch_refuses_without_trust_is_refused_without_trust(tmp_path: Path, opcode: str) -> None:
+    base = saved(tmp_path / "base.pt", {"module.w": torch.arange(6.0)})
+    bad = rewrite_records(base, tmp_path / "bad.pt", added_to_pickle(OPCODES[opcode]))
+    with pytest.raises(Exception, match="Unsupported operand"):
+        torch.load(bad, weights_only=True)
+    report = ckptkit.verify_checkpoint(bad)
+    assert not report.ok and [c.name for c in report.checks if not c.ok] == ["safe to load"]
+    with pytest.raises(ckptkit.errors.UnsafeCheckpointError):
+        ckptkit.load_for_rank(bad)
+    result = CliRunner().invoke(main, ["convert", str(bad), str(tmp_path / "out.safetensors"), "--model-only"])
+    assert result.exit_code == 1 and "pass --trust" in result.stderr, result.output
+    trusted = ckptkit.read_checkpoint(bad, trust=True)
+    assert torch.equal(trusted["module.w"], torch.arange(6.0)) and trusted["x"] is not None
 
 
 def test_a_record_marked_as_a_folder_is_refused(tmp_path: Path) -> None:
@@ -247,3 +308,42 @@ def test_two_records_of_one_name_are_refused_by_every_reader(tmp_path: Path) -> 
         with pytest.raises(ckptkit.errors.CheckpointFormatError, match="more than once"):
             read()
     assert not (tmp_path / "out.pt").exists()
+
+
+def _shared_twice(levels: int) -> bytes:
+    """Opcodes for a value that is one list, paired with itself ``levels`` times over: ``levels + 1``
+    objects and 2**levels paths to the list."""
+    out = bytearray(b"(]q\x00")
+    for i in range(levels):
+        out += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86" + b"q" + bytes([i + 1])
+    return bytes(out) + b"t"
+
+
+def test_a_pickle_sharing_one_list_2_to_the_60_ways_is_read_once(tmp_path: Path) -> None:
+    """A 1.7 kB file hung verify, inspect, read and convert: the walks followed every path."""
+    base = saved(tmp_path / "base.pt", {"state_dict": {"w": torch.arange(6.0)}})
+    bad = rewrite_records(base, tmp_path / "shared.pt", added_to_pickle(b"X\x01\x00\x00\x00d" + _shared_twice(60)))
+    assert bad.stat().st_size < 2000
+    expected = torch.load(bad, weights_only=True)
+    assert ckptkit.verify_checkpoint(bad).ok
+    assert ckptkit.inspect_checkpoint(bad).weights_at == "state_dict"
+    report = ckptkit.convert_checkpoint(bad, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert report.fast and torch.equal(got["state_dict"]["w"], expected["state_dict"]["w"])
+    last = got["d"][60]
+    assert len(got["d"]) == 61 and last[0] is last[1]  # still one object, shared as the source shares it
+
+
+def test_each_tensor_is_found_once_however_many_paths_reach_it() -> None:
+    from ckptkit.formats.pickles import reader
+    from ckptkit.formats.torchzip.bounds import tensors_in
+
+    storage = reader.StorageRef(("storage", reader.Global("torch", "FloatStorage"), "0", "cpu", 6))
+    tensor = reader.Global("torch._utils", "_rebuild_tensor_v2")(storage, 0, (6,), (1,), False, None)
+    shared: object = [tensor]
+    for _ in range(20):
+        shared = (shared, shared)  # 2**20 paths to the tensor
+    found = tensors_in({"d": shared})
+    assert [(where(), t is tensor) for where, t in found] == [
+        ("d[1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][0]", True)
+    ]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from ..errors import CheckpointFormatError
 from ..io.fileio import Progress
 
 
@@ -87,30 +88,51 @@ class Bytes(Entry):
         return self.copy(f, progress)
 
 
+MAX_NESTING = 300  # containers within containers a tree may have (real checkpoints: a few dozen)
+
+
 def map_entries(node: Any, leaf: Callable[[Any, str], Any], is_leaf: Callable[[Any], bool], path: str = "") -> Any:
     """``node`` with each leaf replaced by ``leaf(value, dotted path)``: containers are rebuilt only
-    where something under them changed, so a tree without leaves comes back as it was.
+    where something under them changed, so a tree without leaves comes back as it was. A container
+    reached twice (a pickle may share one) is mapped once and stays shared, so the work is linear in
+    the tree's distinct objects, not in its paths.
+
+    Raises:
+        CheckpointFormatError: containers nested deeper than :data:`MAX_NESTING`.
 
     Example:
         >>> map_entries({"a": [1, 2]}, lambda v, p: v * 10, lambda v: isinstance(v, int))
         {'a': [10, 20]}
     """
-    if is_leaf(node):
-        return leaf(node, path)
-    if isinstance(node, Mapping):
-        items = [(k, map_entries(v, leaf, is_leaf, f"{path}.{k}" if path else str(k))) for k, v in node.items()]
-        if all(new is old for (_, new), old in zip(items, node.values(), strict=True)):
+    done: dict[int, Any] = {}
+    keep: list[Any] = []  # holds each mapped node, so no id in ``done`` is reused while it runs
+
+    def walk(node: Any, path: str, depth: int) -> Any:
+        if id(node) in done:
+            return done[id(node)]
+        if depth > MAX_NESTING:
+            raise CheckpointFormatError(
+                f"{path}: containers nested more than {MAX_NESTING} deep; ckptkit copies at most {MAX_NESTING} levels"
+            )
+        if is_leaf(node):
+            return leaf(node, path)  # each path its own call: tied tensors are told apart by name
+        new: Any
+        if isinstance(node, Mapping):
+            items = [(k, walk(v, f"{path}.{k}" if path else str(k), depth + 1)) for k, v in node.items()]
+            unchanged = all(new is old for (_, new), old in zip(items, node.values(), strict=True))
+            new = node if unchanged else type(node)(items)  # type: ignore[call-arg]
+        elif isinstance(node, (list, tuple)):
+            values = [walk(v, f"{path}.{i}" if path else str(i), depth + 1) for i, v in enumerate(node)]
+            if all(new is old for new, old in zip(values, node, strict=True)):
+                new = node
+            elif isinstance(node, list):
+                new = values
+            else:
+                new = type(node)(*values) if hasattr(node, "_fields") else type(node)(values)
+        else:
             return node
-        return type(node)(items)  # type: ignore[call-arg]
-    if isinstance(node, (list, tuple)):
-        values = [map_entries(v, leaf, is_leaf, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
-        if all(new is old for new, old in zip(values, node, strict=True)):
-            return node
-        return (
-            values
-            if isinstance(node, list)
-            else type(node)(values)
-            if not hasattr(node, "_fields")
-            else type(node)(*values)
-        )
-    return node
+        done[id(node)] = new
+        keep.append(node)
+        return new
+
+    return walk(node, path, 0)

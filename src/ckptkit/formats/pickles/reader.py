@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import pickletools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,27 @@ class UnsupportedGlobal(CheckpointFormatError):
         self.name = name
 
 
+class UnsupportedOpcode(UnsupportedGlobal):
+    """The pickle uses an opcode torch's weights-only unpickler refuses (``LIST``, ``DUP``, framing):
+    ``torch.load`` reads it only with ``weights_only=False``, so the stand-ins do not either."""
+
+    def __init__(self, opcode: str) -> None:
+        CheckpointFormatError.__init__(
+            self, f"pickle uses opcode {opcode}, which torch's weights-only loader refuses (it loads only if trusted)"
+        )
+        self.name = f"opcode {opcode}"
+
+
+# The arguments torch's builders take (torch._utils): the weights-only unpickler calls them, so
+# a call with more or fewer is refused there.
+_ARITY = {
+    "_rebuild_tensor_v2": (6, 7),
+    "_rebuild_tensor_v3": (7, 8),
+    "_rebuild_parameter": (3, 3),
+    "_rebuild_parameter_with_state": (4, 4),
+}
+
+
 class Global:
     """Stands for a global such as ``torch.FloatStorage``; calling it records the call."""
 
@@ -44,6 +66,11 @@ class Global:
         self.module, self.name = module, name
 
     def __call__(self, *args: Any) -> Any:
+        if self.module == "torch._utils" and self.name in _ARITY:
+            low, high = _ARITY[self.name]
+            if not low <= len(args) <= high:
+                took = f"{low}" if low == high else f"{low} or {high}"
+                raise CheckpointFormatError(f"{self!r} called with {len(args)} arguments; it takes {took}")
         if self.module == "torch._utils" and self.name in TENSOR_BUILDERS:
             return TensorRef(self, args)
         if self.module == "torch._utils" and self.name in PARAM_BUILDERS:
@@ -119,11 +146,11 @@ class TensorRef(Call):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(int(d) for d in _unwrap_size(self._arg(2)))
+        return _ints(self._arg(2), "size")
 
     @property
     def stride(self) -> tuple[int, ...]:
-        return tuple(int(d) for d in _unwrap_size(self._arg(3)))
+        return _ints(self._arg(3), "stride")
 
     @property
     def dtype(self) -> str:
@@ -180,11 +207,13 @@ class ParamRef(Call):
         return getattr(self.tensor, name)
 
 
-def _unwrap_size(value: Any) -> tuple[Any, ...]:
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    """A tensor's size or stride, as the tuple of ints torch requires."""
     if isinstance(value, Call) and value.func.name == "Size":
         value = value.args[0] if value.args else ()
-    if not isinstance(value, (tuple, list)):
-        raise CheckpointFormatError(f"tensor size/stride is a {type(value).__name__}, not a tuple")
+    if not isinstance(value, (tuple, list)) or not all(type(d) is int for d in value):
+        found = type(value).__name__ if not isinstance(value, (tuple, list)) else repr(value)[:60]
+        raise CheckpointFormatError(f"tensor {what} must be a tuple of ints, found {found}")
     return tuple(value)
 
 
@@ -277,6 +306,40 @@ def storage_nbytes(ref: StorageRef) -> int:
     return ref.numel * size
 
 
+# The opcodes torch's weights-only unpickler (torch._weights_only_unpickler.Unpickler.load) reads;
+# it refuses every other one, so a plain torch pickle read here is refused for the same opcodes
+# (tests/formats/test_pickles.py holds this list against torch's source).
+WEIGHTS_ONLY_OPCODES = frozenset(
+    {
+        "APPEND", "APPENDS", "BINFLOAT", "BINGET", "BININT", "BININT1", "BININT2", "BINPERSID",
+        "BINPUT", "BINUNICODE", "BUILD", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET", "EMPTY_TUPLE",
+        "GLOBAL", "LONG1", "LONG_BINGET", "LONG_BINPUT", "MARK", "NEWFALSE", "NEWOBJ", "NEWTRUE",
+        "NONE", "PROTO", "REDUCE", "SETITEM", "SETITEMS", "SHORT_BINSTRING", "STOP", "TUPLE",
+        "TUPLE1", "TUPLE2", "TUPLE3",
+    }
+)  # fmt: skip
+_OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+
+
+def _refusal(name: str) -> Callable[[Any], None]:
+    def refuse(self: Any) -> None:
+        raise UnsupportedOpcode(name)
+
+    return refuse
+
+
+class WeightsOnlyUnpickler(_Unpickler):
+    """The stand-ins' reader for a pickle torch loads with ``weights_only=True`` (a torch zip's or a
+    legacy file's): the opcodes torch's weights-only unpickler lacks are refused, as it refuses them."""
+
+    dispatch = {
+        code: handler
+        if _OPCODE_NAMES.get(code) in WEIGHTS_ONLY_OPCODES or handler is _Unpickler._refuse_buffers
+        else _refusal(_OPCODE_NAMES.get(code, "?"))
+        for code, handler in _Unpickler.dispatch.items()
+    }
+
+
 def loads(
     data: bytes | BinaryIO,
     *,
@@ -286,14 +349,18 @@ def loads(
     """Unpickle a torch ``data.pkl`` into containers with stand-in leaves.
 
     ``on_storage`` sees every storage reference as it is read (to bound declared sizes);
-    ``unpickler``: a subclass with other stand-ins (DCP's ``.metadata``), the same guards.
+    ``unpickler``: a subclass with other stand-ins (DCP's ``.metadata``), the same guards; by
+    default, :class:`WeightsOnlyUnpickler`.
 
     Raises:
-        UnsupportedGlobal: a global outside the allowlist (nothing was run).
+        UnsupportedGlobal: a global outside the allowlist, or an opcode torch's weights-only
+            loader refuses (:class:`UnsupportedOpcode`); nothing was run.
         CheckpointFormatError: the bytes are not a well-formed torch pickle.
     """
     try:
-        return (unpickler or _Unpickler)(io.BytesIO(data) if isinstance(data, bytes) else data, on_storage).load()
+        return (unpickler or WeightsOnlyUnpickler)(
+            io.BytesIO(data) if isinstance(data, bytes) else data, on_storage
+        ).load()
     except CheckpointFormatError:
         raise
     except PICKLE_ERRORS as e:

@@ -9,7 +9,9 @@ storage placed before a forbidden global is caught too.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -55,12 +57,16 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
 
 
 def storage_problem(ref: lp.StorageRef, z: TorchZip) -> str | None:
-    """Why a storage the pickle declares does not fit the zip (missing record, too few bytes), or None."""
+    """Why a storage the pickle declares does not fit the zip (a missing record, one of another
+    size than declared), or None."""
     rec = z.by_name.get(f"{z.prefix}data/{ref.key}")
     if rec is None:
         return f"the pickle refers to storage {ref.key}, which the zip lacks"
     need = lp.storage_nbytes(ref)
-    return f"storage {ref.key} declares {need} bytes but its record holds {rec.size}" if need > rec.size else None
+    if need == rec.size:
+        return None
+    # torch.load refuses a record of any other size (a longer one too: "record size does not match")
+    return f"storage {ref.key} declares {need} bytes but its record holds {rec.size}"
 
 
 def _walk(source: object, check: object) -> None:
@@ -70,19 +76,42 @@ def _walk(source: object, check: object) -> None:
         return
 
 
-def tensors_in(obj: Any, path: str = "") -> list[tuple[str, lp.TensorRef]]:
-    """``(where, tensor)`` for every tensor stand-in in nested dicts, lists and tuples."""
-    found: list[tuple[str, lp.TensorRef]] = []
-    stack = [(path, obj)]
+def tensors_in(obj: Any) -> list[tuple[Callable[[], str], lp.TensorRef]]:
+    """``(where, tensor)`` for every tensor stand-in in nested dicts, lists and tuples; ``where()``
+    spells its path (``"model/fc.weight"``, ``"[0]"``).
+
+    Each container is walked once, however many paths reach it (a pickle may share one list
+    between two tuples, 60 times over), and a path is spelled only when asked for: the work is
+    linear in the pickle's size, not in its paths or its depth.
+    """
+    labels: list[tuple[int, str, str]] = [(-1, "", "")]  # a container's (parent, separator, key)
+
+    def where(parent: int, sep: str, key: str) -> str:
+        parts = [(sep, key)] if key else []
+        while parent > 0:
+            parent, up_sep, up_key = labels[parent]
+            parts.append((up_sep, up_key))
+        path = ""
+        for s, k in reversed(parts):
+            path = f"{path}{s}{k}" if path or s == "" else k
+        return path or "<root>"
+
+    found: list[tuple[Callable[[], str], lp.TensorRef]] = []
+    seen: set[int] = set()
+    stack: list[tuple[int, str, str, Any]] = [(0, "", "", obj)]
     while stack:
-        where, node = stack.pop()
+        parent, sep, key, node = stack.pop()
         t = lp.tensor_of(node)
         if t is not None:
-            found.append((where or "<root>", t))
-        elif isinstance(node, dict):
-            stack += [(f"{where}/{k}" if where else str(k), v) for k, v in node.items()]
-        elif isinstance(node, (list, tuple)):
-            stack += [(f"{where}[{i}]", v) for i, v in enumerate(node)]
+            found.append((functools.partial(where, parent, sep, key), t))
+        elif isinstance(node, (dict, list, tuple)) and id(node) not in seen:
+            seen.add(id(node))
+            labels.append((parent, sep, key))
+            me = len(labels) - 1
+            if isinstance(node, dict):
+                stack += [(me, "/", str(k), v) for k, v in node.items()]
+            else:
+                stack += [(me, "", f"[{i}]", v) for i, v in enumerate(node)]
     return found
 
 
@@ -106,13 +135,13 @@ def tensor_problem(t: lp.TensorRef, storage_bytes: int) -> str | None:
 def tensor_problems(obj: Any, z: TorchZip) -> list[str]:
     """``"where: why"`` for every tensor view in ``obj`` that does not fit its storage record."""
     problems = []
-    for name, t in tensors_in(obj):
+    for where, t in tensors_in(obj):
         try:
             why = tensor_problem(t, z.storage(t.storage.key).size)
         except CheckpointFormatError:
             why = f"storage {t.storage.key} missing"
         if why is not None:
-            problems.append(f"{name}: {why}")
+            problems.append(f"{where()}: {why}")
     return problems
 
 

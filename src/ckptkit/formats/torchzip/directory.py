@@ -23,7 +23,7 @@ _EOCD = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
 _SIG = b"PK\x05\x06"  # starts the end of central directory record
 U32 = 0xFFFFFFFF  # a size or offset in the zip64 extra field instead (and the largest 32-bit field)
-_UTF8_NAME = 0x0800  # flag: the name is UTF-8 (else code page 437, as zipfile decodes it)
+UTF8_NAME = 0x0800  # flag: the name is UTF-8 (torch.save sets it; ckptkit's writer too)
 _DOS_FOLDER = 0x10  # external attribute: miniz then treats the record as a folder, not a file
 _UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000  # encrypted, patch data, strong encryption, masked
 _METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)  # what torch's reader inflates
@@ -63,9 +63,13 @@ def read_directory(path: Path, f: BinaryIO, size: int) -> list[DirectoryEntry]:
         if pos > len(directory):
             raise CheckpointFormatError(f"{path}: a zip central directory header runs past the directory's end")
         try:
-            name = directory[start : start + n].decode("utf-8" if flags & _UTF8_NAME else "cp437")
+            # UTF-8 whatever the flag says: torch.load decodes every record's name so (zipfile would
+            # take an unflagged one as code page 437, and read a name torch refuses)
+            name = directory[start : start + n].decode("utf-8")
         except UnicodeDecodeError as err:
-            raise CheckpointFormatError(f"{path}: damaged zip archive (a record name is not UTF-8: {err})") from err
+            raise CheckpointFormatError(
+                f"{path}: damaged zip archive (a record name is not UTF-8, which torch.load requires: {err})"
+            ) from err
         if U32 in (csize, usize, offset):
             usize, csize, offset = _zip64(path, name, directory[start + n : start + n + e], usize, csize, offset)
         _check(path, name, flags, method, csize, usize, volume, external)

@@ -18,7 +18,7 @@ from ..entry import Entry, map_entries
 from ..pickles.dump import dumps, new_tensor
 from .directory import CENTRAL as _CENTRAL
 from .directory import LOCAL as _LOCAL
-from .directory import U32
+from .directory import U32, UTF8_NAME
 
 ZIP64_AT = U32  # sizes/offsets from here on need zip64 (tests lower it to exercise that path)
 
@@ -82,7 +82,7 @@ class ZipWriter:
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         sizes = (U32, U32) if zip64 else (csize, size)
         self.f.write(
-            _LOCAL.pack(0x04034B50, 45 if zip64 else 20, 0, method, 0, 0x21, crc, *sizes, len(name), len(extra))
+            _LOCAL.pack(0x04034B50, 45 if zip64 else 20, UTF8_NAME, method, 0, 0x21, crc, *sizes, len(name), len(extra))
         )
         self.f.write(name + extra)
         self.entries.append((name, crc, csize, size, method, offset))
@@ -158,7 +158,7 @@ class ZipWriter:
                     0x02014B50,
                     45 if big else 20,
                     45 if big else 20,
-                    0,
+                    UTF8_NAME,
                     method,
                     0,
                     0x21,
