@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,62 @@ def test_verify_true_still_refuses_unsafe_files_as_unsafe(fixtures_dir: Path) ->
     import argparse
 
     ckptkit.load_for_rank(fixtures_dir / "needs_trust.pt", verify=True, model=model, allow_globals=[argparse.Namespace])
+
+
+def _edit_header(path: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (of the same length) in a safetensors header."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + n]
+    assert len(old) == len(new) and header.count(old) >= 1, header
+    path.write_bytes(data[:8] + header.replace(old, new, 1) + data[8 + n :])
+
+
+HEADER_EDITS = {
+    # one bit of a tensor name: "ab" -> "ac"
+    "a flipped bit in a name": (b'"ab":{', b'"ac":{'),
+    # -1 would then convert to 18446744073709551615
+    "I64 edited to U64": (b'"I64"', b'"U64"'),
+    "the CRC map naming a tensor that is not there": (b'{\\"ab\\"', b'{\\"zz\\"'),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HEADER_EDITS))
+def test_an_edited_safetensors_header_fails_verify_and_convert_refuses_it(tmp_path: Path, edit: str) -> None:
+    import torch
+
+    path = tmp_path / "m.safetensors"
+    ckptkit.write_checkpoint({"ab": torch.tensor([-1, 2], dtype=torch.int64)}, path)
+    assert verify_ok(path)
+    _edit_header(path, *HEADER_EDITS[edit])
+    report = ckptkit.verify_checkpoint(path, full=False)
+    assert not report.ok and "header checksum" in [c.name for c in report.checks if not c.ok]
+    result = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out.pt")])
+    assert result.exit_code == 1 and "fails verify (header checksum" in result.stderr, result.output
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_crc_map_that_misses_a_tensor_fails_verify(tmp_path: Path) -> None:
+    """Files from other writers may carry the map (no header checksum): it must name each tensor once."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(2), "b": torch.ones(2)}, path, metadata={"ckptkit.crc32": json.dumps({"a": "00000000"})})
+    report = ckptkit.verify_checkpoint(path, full=False)
+    assert [(c.name, c.detail) for c in report.checks if not c.ok] == [("CRC-32 map", "the ckptkit.crc32 map misses b")]
+
+
+def test_a_header_nested_100000_deep_is_one_error(tmp_path: Path) -> None:
+    header = (
+        b'{"__metadata__":{"x":'
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b'},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    )
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    report = ckptkit.verify_checkpoint(path)
+    assert not report.ok and "RecursionError" in report.checks[-1].detail
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="header is not valid JSON"):
+        ckptkit.read_checkpoint(path)

@@ -25,7 +25,15 @@ from ..io.fileio import Progress, crc32, crc_of_range
 from .hf.detect import HF, shard_format
 from .hf.index import read_index
 from .pickles import reader as tp
-from .safetensors.codec import ALIASES_KEY, CRC_KEY, parse_aliases, parse_crcs, read_header
+from .safetensors.codec import (
+    ALIASES_KEY,
+    CRC_KEY,
+    HEADER_CRC_KEY,
+    header_crc,
+    parse_aliases,
+    parse_crcs,
+    read_header,
+)
 from .safetensors.detect import SAFETENSORS
 from .torchzip import modulepickle as mp
 from .torchzip.bounds import storage_problem, tensor_problems, tensors_in
@@ -97,6 +105,8 @@ def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> 
             if problems:  # what was read before the global already shows damage
                 checks.append(Check("storages fit their records", "integrity", False, summarize(problems, 3)))
             return checks, True
+        except CheckpointFormatError as why:  # as the readers say it
+            raise CheckpointFormatError(f"pickled module: {why}") from None
     checks.append(Check("safe to load", "safety", True, safe))
     problems += tensor_problems(obj, z)
     detail = summarize(problems, 3) if problems else "all in bounds"
@@ -122,6 +132,7 @@ def record_crc(z: TorchZip, rec: Record, progress: Progress | None = None) -> in
 def safetensors_checks(f: BinaryIO, source: str, *, full: bool, progress: Progress | None = None) -> list[Check]:
     """Checks of a safetensors file: header, offsets, aliases and (``full``) recorded CRC-32s."""
     header, start = read_header(f, source=source)
+    said = header_crc(header)
     meta = header.pop("__metadata__", None) or {}
     checks = [
         Check(
@@ -131,6 +142,27 @@ def safetensors_checks(f: BinaryIO, source: str, *, full: bool, progress: Progre
             f"{len(header)} tensors, dtypes known, offsets in bounds, no overlap or gap",
         )
     ]
+    if HEADER_CRC_KEY in meta:
+        ok = meta[HEADER_CRC_KEY] == f"{said:08x}"
+        detail = (
+            "names, dtypes, shapes and offsets as written"
+            if ok
+            else (
+                f"names, dtypes, shapes or offsets changed since it was written (header CRC-32 {said:08x}, "
+                f"recorded {str(meta[HEADER_CRC_KEY])[:8]})"
+            )
+        )
+        checks.append(Check("header checksum", "integrity", ok, detail))
+    if CRC_KEY in meta:
+        try:
+            recorded = parse_crcs(meta, source)
+        except CheckpointFormatError as e:
+            return [*checks, Check("CRC-32 of every tensor", "integrity", False, str(e))]
+        absent, missing = sorted(set(recorded) - set(header)), sorted(set(header) - set(recorded))
+        if absent or missing:
+            said_of = f"names absent tensors {summarize(absent, 3)}" if absent else ""
+            said_of += ("; " if absent and missing else "") + (f"misses {summarize(missing, 3)}" if missing else "")
+            return [*checks, Check("CRC-32 map", "integrity", False, f"the {CRC_KEY} map {said_of}")]
     if ALIASES_KEY in meta:
         try:
             detail = f"{len(parse_aliases(meta, header, source))} alias(es), each naming a stored tensor"
@@ -194,7 +226,9 @@ def record_tensors(z: TorchZip, obj: Any, record: str) -> str:
     """``tensor fc1.weight in record archive/data/0``: what a record holds, by where its tensors
     are in ``obj`` (the pickle read through stand-ins; None names the record alone)."""
     names = (
-        sorted(w for w, t in tensors_in(obj) if f"{z.prefix}data/{t.storage.key}" == record) if obj is not None else []
+        sorted(w() for w, t in tensors_in(obj) if f"{z.prefix}data/{t.storage.key}" == record)
+        if obj is not None
+        else []
     )
     return f"{tensors_named(names)} in record {record}" if names else f"record {record}"
 

@@ -16,11 +16,12 @@ import json
 import math
 import os
 import struct
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
-from ...errors import ArgumentError, CheckpointFormatError, summarize
+from ...errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, summarize
 from ...io.fileio import Progress
 from ..dtypes import BY_NAME, BY_SAFETENSORS
 from ..entry import Entry
@@ -30,6 +31,26 @@ MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 ALIASES_KEY = "ckptkit.aliases"
 CRC_KEY = "ckptkit.crc32"  # {tensor name: CRC-32 of its bytes, 8 hex digits}: lets verify see bit flips
 _CRC_PLACEHOLDER = "00000000"
+# CRC-32 of what the header says (header_crc): a flipped bit in a name, a dtype edited from I64 to
+# U64 or an offset moved is seen, as the tensor CRCs see the bytes.
+HEADER_CRC_KEY = "ckptkit.header_crc32"
+
+
+def header_crc(header: Mapping[str, Any]) -> int:
+    """The CRC-32 of what a parsed header says: every tensor's name, dtype, shape and offsets, and
+    the metadata (its own :data:`HEADER_CRC_KEY` aside), in an order of their own.
+
+    Example:
+        >>> f"{header_crc({'w': {'dtype': 'F32', 'shape': [1], 'data_offsets': [0, 4]}}):08x}"
+        'e15b1c23'
+    """
+    meta = sorted((str(k), str(v)) for k, v in (header.get("__metadata__") or {}).items() if k != HEADER_CRC_KEY)
+    tensors = sorted(
+        (str(n), str(e["dtype"]), [int(d) for d in e["shape"]], [int(o) for o in e["data_offsets"]])
+        for n, e in header.items()
+        if n != "__metadata__"
+    )
+    return zlib.crc32(json.dumps([meta, tensors], separators=(",", ":")).encode())
 
 
 def crc_metadata(names: Iterable[str], crcs: Mapping[str, Any] | None = None) -> str:
@@ -78,7 +99,7 @@ def write_safetensors(
     start = f.tell()
 
     def header(crcs: Mapping[str, int | None] | None) -> bytes:
-        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(kept, crcs)})
+        return header_bytes(entries, {**meta, CRC_KEY: crc_metadata(kept, crcs)}, checksum=True)
 
     # Where the source records every CRC-32, the header goes out once, final; else with
     # same-width placeholders patched after the data (a page the disk may be writing back).
@@ -96,8 +117,11 @@ def write_safetensors(
     return offset
 
 
-def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None) -> bytes:
-    """Length prefix + JSON header for ``(name, dtype, shape, nbytes)`` entries laid out in order."""
+def header_bytes(
+    entries: Iterable[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None, *, checksum: bool = False
+) -> bytes:
+    """Length prefix + JSON header for ``(name, dtype, shape, nbytes)`` entries laid out in order;
+    ``checksum``: with its :func:`header_crc` in the metadata."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -105,6 +129,8 @@ def header_bytes(entries: Iterable[tuple[str, str, list[int], int]], metadata: M
     for name, dtype, shape, nbytes in entries:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
+    if checksum:
+        header.setdefault("__metadata__", {})[HEADER_CRC_KEY] = f"{header_crc(header):08x}"
     return encode_header(header)
 
 
@@ -140,8 +166,8 @@ def read_header(f: BinaryIO, *, size: int | None = None, source: str = "file") -
     raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{source}: safetensors header is not valid JSON ({e})") from e
+    except PARSE_ERRORS as e:  # RecursionError too: a header nested 100,000 deep
+        raise CheckpointFormatError(f"{source}: safetensors header is not valid JSON ({type(e).__name__}: {e})") from e
     if not isinstance(header, dict):
         raise CheckpointFormatError(f"{source}: safetensors header is a JSON {type(header).__name__}, not an object")
     data_len = size - 8 - n
@@ -193,8 +219,8 @@ def parse_crcs(meta: Mapping[str, str], source: str) -> dict[str, int]:
     """Tensor name -> CRC-32 from the ``ckptkit.crc32`` metadata ({} when none was recorded)."""
     try:
         return {str(k): int(v, 16) for k, v in json.loads(meta.get(CRC_KEY, "{}")).items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        raise CheckpointFormatError(f"{source}: metadata {CRC_KEY} is malformed ({e})") from e
+    except PARSE_ERRORS as e:
+        raise CheckpointFormatError(f"{source}: metadata {CRC_KEY} is malformed ({type(e).__name__}: {e})") from e
 
 
 def parse_aliases(meta: Mapping[str, str], names: Iterable[str], source: str) -> list[tuple[int, str, str]]:
@@ -208,7 +234,7 @@ def parse_aliases(meta: Mapping[str, str], names: Iterable[str], source: str) ->
         if not isinstance(raw, dict):
             raise TypeError(f"a JSON {type(raw).__name__}, not an object")
         placed = sorted((int(pos), str(alias), str(target)) for alias, (target, pos) in raw.items())
-    except (ValueError, TypeError) as e:
+    except PARSE_ERRORS as e:
         raise CheckpointFormatError(f"{source}: metadata {ALIASES_KEY} is malformed ({e})") from e
     known = set(names)
     for _, alias, target in placed:
