@@ -345,3 +345,26 @@ def test_verify_checks_every_chunk_against_its_crc(fixtures_dir: Path, tmp_path:
     assert [c.name for c in failed] == ["CRC-32 of every chunk"]
     assert f"qkv.weight ({piece.where})" in failed[0].detail
     assert ckptkit.verify_checkpoint(fixtures_dir / "fsdp2_dcp").ok
+
+
+@pytest.mark.parametrize("field, value", [("offset", -5), ("length", 0)])
+def test_a_chunk_at_a_negative_offset_or_of_no_length_fails_verify_as_the_reader_fails(
+    tmp_path: Path, field: str, value: int
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from click.testing import CliRunner
+
+    from ckptkit.cli import main
+
+    folder = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(6.0), "b": torch.ones(2)}, checkpoint_id=folder, **SAVE_ALONE)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    index = next(i for i in meta.storage_data if i.fqn == "w")
+    setattr(meta.storage_data[index], field, value)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    report = ckptkit.verify_checkpoint(folder)
+    assert not report.ok, report.checks
+    with pytest.raises(ckptkit.errors.CheckpointFormatError):
+        ckptkit.read_checkpoint(folder)
+    result = CliRunner().invoke(main, ["convert", str(folder), str(tmp_path / "out.safetensors")])
+    assert result.exit_code == 1 and not (tmp_path / "out.safetensors").exists(), result.output

@@ -432,3 +432,13 @@ def test_an_index_of_another_name_converts(tmp_path: Path) -> None:
     assert report.tensors == 2 and set(seen) == {on_disk}
     got = ckptkit.read_checkpoint(tmp_path / "one.safetensors", map_location="cpu")
     assert {k: torch.equal(v, state[k]) for k, v in got.items()} == dict.fromkeys(state, True)
+
+
+def test_an_index_nested_100000_deep_is_one_error(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"metadata": ' + "[" * 100_000 + "]" * 100_000 + ', "weight_map": {}}'
+    )
+    report = ckptkit.verify_checkpoint(tmp_path)
+    assert not report.ok and "RecursionError" in report.checks[-1].detail
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "must be JSON" in result.stderr, result.output

@@ -32,6 +32,7 @@ from ..io.atomicdir import check_folder_destination
 from ..io.store import locate
 from .convert_job import Job, TorchView, fast_cast, staged_convert
 from .reports import ConvertReport
+from .verify import refuse_failing
 from .write import format_for
 
 
@@ -221,6 +222,7 @@ def _convert(
     out_fmt = registry.get(HF) if folder else _check_paths(source, dest, force, format)
     in_fmt = registry.detect(source)
     check_zero_source(source, in_fmt.name, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
+    refuse_failing(source, in_fmt)  # verify's own judgement, before anything is read or written
     job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
     job.plan = WritePlan(max_shard_size=limit, source=str(source))
     reason = _why_torch(in_fmt, out_fmt, trust)

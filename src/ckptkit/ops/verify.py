@@ -12,15 +12,17 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointFormatError, CkptkitError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, CkptkitError, UnsupportedCheckpointError, spell, summarize
 from ..formats import registry
 from ..formats.detect import check_exists
 from ..formats.hf.index import shard_note
 from ..formats.integrity import Check
 from ..formats.pickles.safety import AllowGlobals, global_name, resolve_globals, unsafe_error
 from ..formats.source import checkpoint_bytes
+from ..formats.spec import CheckpointFormat
 from ..io.fileio import Progress
 from ..io.store import locate
 
@@ -122,6 +124,30 @@ def verify_checkpoint(
     return report
 
 
+def refuse_failing(path: Path, fmt: CheckpointFormat) -> None:
+    """Raise where ``verify`` would fail ``path`` on its structure (payload CRC-32s aside: a copy
+    checks those as it reads the bytes), in verify's words: nothing is written from such a source.
+
+    Raises:
+        CheckpointFormatError: naming each failed check.
+
+    Example:
+        >>> refuse_failing(Path("model.pt"), registry.get("torch-zip"))  # doctest: +SKIP
+    """
+    try:
+        checks = fmt.check(path, False, None)
+    except CheckpointFormatError as e:  # the structure itself: the readers raise the same
+        if type(e) is CheckpointFormatError and str(path) not in str(e):
+            raise CheckpointFormatError(f"{path}: {e}") from None
+        raise
+    failed = [f"{c.name}: {c.detail}" for c in checks if c.kind == "integrity" and not c.ok]
+    if failed:
+        every = spell(f"verify_checkpoint({str(path)!r})", f"ckptkit verify {path}")
+        raise CheckpointFormatError(
+            f"{path}: fails verify ({summarize(failed, 3)}), so nothing was written; {every} reports every check"
+        )
+
+
 def _verify(path: str, *, full: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
     report = VerifyReport(os.fspath(path))
     try:
@@ -133,10 +159,10 @@ def _verify(path: str, *, full: bool, progress: Callable[[int, int], None] | Non
         return report
     report.checks.append(Check("format", "integrity", True, report.format))
     check = registry.get(report.format).check  # the same parser the format's readers use
-    total = checkpoint_bytes(p, report.format)
-    report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
-    read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
     try:
+        total = checkpoint_bytes(p, report.format)
+        report.notes = [note] if p.is_file() and (note := shard_note(p)) else []
+        read: Progress | None = (lambda n: progress(n, total)) if progress is not None else None
         report.checks += check(p, full, read)
     except CkptkitError as e:
         report.checks.append(Check("structure", "integrity", False, str(e)))

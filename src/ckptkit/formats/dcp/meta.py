@@ -150,8 +150,11 @@ def _interpret(meta: Any) -> DcpMetadata:
             raise NeedsTorch("storage_data is not FileSystemWriter's (another storage writer)")
         if info.state.get("transform_descriptors"):
             raise NeedsTorch(f"{index.field('fqn')} is stored through transforms {info.state['transform_descriptors']}")
-        where = Stored(_str(info.field("relative_path")), _int(info.field("offset")), _int(info.field("length")))
-        stored[(_str(index.field("fqn")), _ints(index.field("offset", optional=True) or ()))] = where
+        fqn, at, length = _str(index.field("fqn")), info.field("offset"), info.field("length")
+        if isinstance(at, int) and isinstance(length, int) and (at < 0 or length <= 0):  # torch's reader fails on these
+            raise CheckpointFormatError(f".metadata stores {fqn} at offset {at}, length {length}: damaged")
+        where = Stored(_str(info.field("relative_path")), _int(at), _int(length))
+        stored[(fqn, _ints(index.field("offset", optional=True) or ()))] = where
     entries: dict[str, TensorEntry | BytesEntry] = {}
     for fqn, md in _mapping(meta.field("state_dict_metadata"), "state_dict_metadata").items():
         entries[_str(fqn)] = _entry(_str(fqn), md, stored)

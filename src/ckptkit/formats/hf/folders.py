@@ -17,6 +17,7 @@ import json
 import re
 from pathlib import Path
 
+from ...errors import PARSE_ERRORS
 from ..producers import Producer
 from .detect import HF_INDEXES, HF_SINGLE
 from .index import HF_FILE
@@ -80,7 +81,7 @@ def _trainer_state(folder: Path) -> dict[str, object]:
         if path.stat().st_size > _MAX_JSON:
             return {}
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # an unreadable state file is listed, not trusted
+    except PARSE_ERRORS:  # an unreadable state file is listed, not trusted
         return {}
     return state if isinstance(state, dict) else {}
 
@@ -88,7 +89,7 @@ def _trainer_state(folder: Path) -> dict[str, object]:
 def _config(folder: Path) -> dict[str, object]:
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # no config, or not one: nothing to say about the architecture
+    except PARSE_ERRORS:  # no config, or not one: nothing to say about the architecture
         return {}
     return config if isinstance(config, dict) else {}
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import ArgumentError, CheckpointFormatError, spell, summarize
+from ...errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, spell, summarize
 from ..safetensors.codec import read_header
 from .detect import HF_INDEXES, HF_SINGLE
 
@@ -99,8 +99,8 @@ def read_index(path: str | Path) -> HfIndex:
         )
     try:
         raw = json.loads(p.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{p}: a Hugging Face index must be JSON ({e})") from e
+    except PARSE_ERRORS as e:  # RecursionError too: an index nested 100,000 deep
+        raise CheckpointFormatError(f"{p}: a Hugging Face index must be JSON ({type(e).__name__}: {e})") from e
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
