@@ -106,9 +106,13 @@ def test_an_edited_safetensors_header_fails_verify_and_convert_refuses_it(tmp_pa
     assert verify_ok(path)
     _edit_header(path, *HEADER_EDITS[edit])
     report = ckptkit.verify_checkpoint(path, full=False)
-    assert not report.ok and "header checksum" in [c.name for c in report.checks if not c.ok]
+    said = "changed since ckptkit wrote it"
+    assert not report.ok and said in report.checks[-1].detail
+    for read in (ckptkit.read_checkpoint, ckptkit.load_for_rank):  # the readers judge it as verify does
+        with pytest.raises(ckptkit.errors.CheckpointFormatError, match=said):
+            read(path)
     result = CliRunner().invoke(main, ["convert", str(path), str(tmp_path / "out.pt")])
-    assert result.exit_code == 1 and "fails verify (header checksum" in result.stderr, result.output
+    assert result.exit_code == 1 and said in result.stderr and result.stderr.count("\n") == 1, result.output
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -120,7 +124,11 @@ def test_a_crc_map_that_misses_a_tensor_fails_verify(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({"a": torch.ones(2), "b": torch.ones(2)}, path, metadata={"ckptkit.crc32": json.dumps({"a": "00000000"})})
     report = ckptkit.verify_checkpoint(path, full=False)
-    assert [(c.name, c.detail) for c in report.checks if not c.ok] == [("CRC-32 map", "the ckptkit.crc32 map misses b")]
+    assert [(c.name, c.detail) for c in report.checks if not c.ok] == [
+        ("structure", f"{path}: its ckptkit.crc32 map misses b: the file is damaged")
+    ]
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="map misses b"):
+        ckptkit.read_checkpoint(path)
 
 
 def test_a_header_nested_100000_deep_is_one_error(tmp_path: Path) -> None:

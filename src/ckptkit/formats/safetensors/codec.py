@@ -187,7 +187,26 @@ def read_header(f: BinaryIO, *, size: int | None = None, source: str = "file") -
         end = stop
     if end != data_len:
         raise CheckpointFormatError(f"{source}: tensors cover {end} bytes but the data section has {data_len}")
+    _check_recorded(header, source)
     return header, 8 + n
+
+
+def _check_recorded(header: Mapping[str, Any], source: str) -> None:
+    """Hold a header against what ckptkit recorded in it when it wrote it (other writers record
+    nothing): its own CRC-32, and a CRC map naming each stored tensor once."""
+    meta = header.get("__metadata__") or {}
+    if HEADER_CRC_KEY in meta and meta[HEADER_CRC_KEY] != f"{header_crc(header):08x}":
+        raise CheckpointFormatError(
+            f"{source}: the header's names, dtypes, shapes, offsets or metadata changed since ckptkit wrote it "
+            f"(its CRC-32 is {header_crc(header):08x}, recorded {meta[HEADER_CRC_KEY][:8]}): the file is damaged"
+        )
+    if CRC_KEY in meta:
+        recorded, names = set(parse_crcs(meta, source)), {n for n in header if n != "__metadata__"}
+        if recorded != names:
+            absent, missing = sorted(recorded - names), sorted(names - recorded)
+            said = [f"names absent tensors {summarize(absent, 3)}"] * bool(absent)
+            said += [f"misses {summarize(missing, 3)}"] * bool(missing)
+            raise CheckpointFormatError(f"{source}: its {CRC_KEY} map {' and '.join(said)}: the file is damaged")
 
 
 def _check_entry(name: str, entry: Any, data_len: int, source: str) -> tuple[int, int, str]:
