@@ -232,7 +232,8 @@ def test_a_storage_declared_larger_than_its_record_is_refused_before_torch_alloc
     checks = {c.name: c for c in ckptkit.verify_checkpoint(bad).checks}  # every CRC right, a size no record holds
     assert checks["CRC-32 of every record"].ok and not checks["tensors fit their storages"].ok
     with pytest.raises(
-        ckptkit.errors.CheckpointFormatError, match=r"bad\.pt: storage 0 declares 1020 bytes but its record holds 12"
+        ckptkit.errors.CheckpointFormatError,
+        match=r"bad\.pt: fails verify \(tensors fit their storages: storage 0 declares 1020 bytes but its record holds 12\)",
     ):
         ckptkit.read_checkpoint(bad, trust=True)
     with pytest.raises(ckptkit.errors.CheckpointFormatError, match=r"storage 0 declares 1020 bytes"):

@@ -12,6 +12,7 @@ from ..formats import registry
 from ..formats.hf.index import shard_note
 from ..formats.pickles.safety import AllowGlobals
 from ..io.store import locate
+from .verify import refuse_failing
 
 
 def read_checkpoint(
@@ -73,10 +74,12 @@ def read_source(
     zero_weights: Literal["fp32", "module"] = "fp32",
 ) -> Any:
     """A local checkpoint read by its format's torch half (what :func:`read_checkpoint` does once
-    the path is local; ``zero_weights`` for a DeepSpeed ZeRO folder)."""
+    the path is local; ``zero_weights`` for a DeepSpeed ZeRO folder). What ``verify`` fails on its
+    structure is refused first, in its words."""
     fmt = registry.detect(source)
     if fmt.partial is not None:  # e.g. an intact torch zip whose weights are 0-element placeholders
         fmt.partial(Path(source))
+    refuse_failing(Path(source), fmt)  # verify's judgement: what it fails, no reader reads
     return fmt.torch().read(
         source,
         fmt=fmt.name,

@@ -126,7 +126,8 @@ def verify_checkpoint(
 
 def refuse_failing(path: Path, fmt: CheckpointFormat) -> None:
     """Raise where ``verify`` would fail ``path`` on its structure (payload CRC-32s aside: a copy
-    checks those as it reads the bytes), in verify's words: nothing is written from such a source.
+    checks those as it reads the bytes), in verify's words: nothing is read or written from such
+    a source.
 
     Raises:
         CheckpointFormatError: naming each failed check.
@@ -144,7 +145,7 @@ def refuse_failing(path: Path, fmt: CheckpointFormat) -> None:
     if failed:
         every = spell(f"verify_checkpoint({str(path)!r})", f"ckptkit verify {path}")
         raise CheckpointFormatError(
-            f"{path}: fails verify ({summarize(failed, 3)}), so nothing was written; {every} reports every check"
+            f"{path}: fails verify ({summarize(failed, 3)}), so it is not read; {every} reports every check"
         )
 
 

@@ -65,6 +65,9 @@ def _torch_checks(p: Path) -> list[Check]:
             for index, info in (meta.storage_data or {}).items()
         ]
         blobs = [(fqn, at) for fqn, at in stored if isinstance(meta.state_dict_metadata.get(fqn), BytesStorageMetadata)]
+        for md in meta.state_dict_metadata.values():  # what torch's reader asks of each entry
+            if not isinstance(md, BytesStorageMetadata):
+                _ = (md.size, md.properties.dtype, [(c.offsets, c.sizes) for c in md.chunks])
         found = Check("metadata", "integrity", True, f"{len(meta.state_dict_metadata)} entries")
         return [found, *_entries(p, blobs), _shards(p, stored)]
     except PARSE_ERRORS as e:  # DCP's own classes holding the wrong things: a damaged .metadata
