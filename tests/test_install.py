@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -95,17 +97,31 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     pytest.importorskip("build", reason="python -m build needs the 'build' package (the test extra has it)")
     tree = tmp_path / "tree"  # a copy, so that the build leaves nothing in the checkout
     tree.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, tree / name)
     shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     built = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(tree)],
+        [sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(tmp_path / "dist"), str(tree)],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    # (byte-compiling is off where PYTHONDONTWRITEBYTECODE is set: the machine's, not the project's)
+    warned = [
+        line
+        for line in (built.stdout + built.stderr).splitlines()
+        if "warning" in line.lower() and "byte-compiling is disabled" not in line
+    ]
+    assert not warned, warned
     (wheel,) = (tmp_path / "dist").glob("ckptkit-*-py3-none-any.whl")
+    (sdist,) = (tmp_path / "dist").glob("ckptkit-*.tar.gz")
+    with zipfile.ZipFile(wheel) as z:  # the licence travels with the package, and the metadata names it
+        assert any(n.endswith(".dist-info/licenses/LICENSE") for n in z.namelist())
+        metadata = next(z.read(n).decode() for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        assert "License-Expression: Apache-2.0" in metadata
+    with tarfile.open(sdist) as tar:
+        assert any(n.endswith("/LICENSE") for n in tar.getnames())
 
     venv = Venv(tmp_path / "venv")
     venv.pip_install(TORCH, wheel, cwd=tmp_path)
@@ -122,6 +138,9 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     converted = venv.run("ckptkit", "convert", "ddp.pt", "single.pt", cwd=tmp_path)
     assert converted.returncode == 0, converted.stderr
     assert "(module. -> no prefix)" in converted.stdout
+    for command in ("inspect", "verify"):
+        ran = venv.run("ckptkit", command, "single.pt", cwd=tmp_path)
+        assert ran.returncode == 0, ran.stderr
     keys = venv.run("python", "-c", "import torch; print(*torch.load('single.pt', weights_only=True))", cwd=tmp_path)
     assert (
         keys.returncode == 0 and keys.stdout.split() and not any(k.startswith("module.") for k in keys.stdout.split())
