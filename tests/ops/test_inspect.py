@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from click.testing import CliRunner
 
 import ckptkit
 from ckptkit.cli import main
 from ckptkit.model.layout import find_model_state
+from fixtures.models import TinyNet
 
 
 def run(*args: object) -> tuple[int, str, str]:
@@ -65,3 +68,23 @@ def test_a_trainer_folder_is_named_whichever_reader_runs(fixtures_dir: Path) -> 
         summary = ckptkit.inspect_checkpoint(folder, trust=trust)
         assert summary.loaded_with_torch is trust
         assert summary.producer is not None and summary.producer["name"] == "hf-trainer"
+
+
+def test_inspect_advises_a_strip_only_where_following_it_loads_the_model(fixtures_dir: Path, tmp_path: Path) -> None:
+    """The docs' first example (fc.weight, fc.bias) got "--strip fc.", which breaks it; a Lightning
+    .ckpt's module attribute is the one shared first name worth stripping."""
+    plain = nn.Sequential()
+    plain.add_module("fc", nn.Linear(2, 2))
+    torch.save(plain.state_dict(), tmp_path / "plain.pt")
+    said = CliRunner().invoke(main, ["inspect", str(tmp_path / "plain.pt")]).stdout
+    assert "--strip" not in said and "plain single-device keys" in said
+
+    said = CliRunner().invoke(main, ["inspect", str(fixtures_dir / "lightning.ckpt")]).stdout
+    advice = re.search(r"--strip (\S+) gives the inner model's keys", said)
+    assert advice is not None, said
+    out = tmp_path / "inner.pt"
+    result = CliRunner().invoke(
+        main, ["convert", str(fixtures_dir / "lightning.ckpt"), str(out), "--model-only", "--strip", advice[1]]
+    )
+    assert result.exit_code == 0, result.output
+    TinyNet().load_state_dict(torch.load(out, weights_only=True))  # strict: every key as the model names it

@@ -117,10 +117,12 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
             out.print(f"Wrapper prefixes: {leading or '-'}{'; nested ' + nested if nested else ''}{hint}")
         else:
             out.print("Wrapper prefixes: none (plain single-device keys)")
-        if prefixes.get("common") and (s.producer or {}).get("name") in (None, "lightning", "training-checkpoint"):
-            # a framework's own model keeps its attribute names (transformer., net.): only a wrapper's is worth stripping
+        if prefixes.get("common") and (s.producer or {}).get("name") == "lightning":
+            # A LightningModule's attribute (self.model) over its state_dict: stripping it gives the inner
+            # model's keys. Anywhere else a shared first name is the model's own (fc., transformer.): keep it.
+            common = prefixes["common"]
             out.print(
-                f"Every key starts with {prefixes['common']!r} (Lightning? convert with --strip {prefixes['common']})"
+                f"Every key starts with the LightningModule attribute {common!r}: --strip {common} gives the inner model's keys"
             )
         groups = s.groups()
         t = Table("key", "n", "layers", "shape", "dtype", "size", box=None, padding=(0, 2))
