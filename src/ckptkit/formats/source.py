@@ -27,7 +27,7 @@ from .hf.index import HfIndex, check_shard_keys, read_index
 from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .pickles import reader as lp
 from .producers import Producer
-from .safetensors.codec import insert_aliases, parse_aliases, parse_crcs, read_header
+from .safetensors.codec import insert_aliases, parse_aliases, parse_crcs, read_header, shown_metadata
 from .safetensors.detect import SAFETENSORS
 from .spec import Info, TensorInfo
 from .torchzip import modulepickle as mp
@@ -114,7 +114,7 @@ class Source:
             storage = (id(self.part(ref)), t.storage.key)  # keys repeat across shards
             return TensorInfo(name, list(t.shape), t.dtype, t.device, t.nbytes), storage, lp.storage_nbytes(t.storage)
 
-        return info, dict(self.metadata or {}), None
+        return info, shown_metadata(self.metadata or {}), None
 
     def part(self, leaf: Any) -> Source:
         """The (single-file) Source whose file holds ``leaf``'s bytes."""

@@ -234,6 +234,32 @@ def _check_entry(name: str, entry: Any, data_len: int, source: str) -> tuple[int
     return offsets[0], offsets[1], name
 
 
+def shown_metadata(meta: Mapping[str, str]) -> dict[str, str]:
+    """Metadata as ``inspect`` shows it: what ckptkit records for itself (a CRC per tensor, the
+    header's, the aliases) summarised as one ``ckptkit`` entry, the rest as it is.
+
+    Example:
+        >>> shown_metadata({"format": "pt", CRC_KEY: '{"w": "7bd5c66f"}', HEADER_CRC_KEY: "a811b336"})
+        {'format': 'pt', 'ckptkit': 'CRC-32 of 1 tensor and of the header'}
+    """
+    own = {k: meta[k] for k in (CRC_KEY, HEADER_CRC_KEY, ALIASES_KEY) if k in meta}
+    shown = {k: v for k, v in meta.items() if k not in own}
+    said = []
+    if CRC_KEY in own:
+        try:
+            n = len(json.loads(own[CRC_KEY]))
+            said.append(
+                f"CRC-32 of {n} tensor{'s' * (n != 1)}" + (" and of the header" if HEADER_CRC_KEY in own else "")
+            )
+        except PARSE_ERRORS:
+            said.append("a malformed CRC map (verify says more)")
+    if ALIASES_KEY in own:
+        said.append("tied tensors stored once")
+    if said:
+        shown["ckptkit"] = "; ".join(said)
+    return shown
+
+
 def parse_crcs(meta: Mapping[str, str], source: str) -> dict[str, int]:
     """Tensor name -> CRC-32 from the ``ckptkit.crc32`` metadata ({} when none was recorded)."""
     try:
