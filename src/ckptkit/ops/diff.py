@@ -10,7 +10,9 @@ from typing import Any
 
 from ..formats.hf.index import shard_note
 from ..formats.pickles.safety import AllowGlobals
+from ..formats.producers import AVERAGED_COUNTS, averaged_count
 from ..model.layout import find_model_state
+from ..model.unwrap import without_averaged_count
 from ..prefix import rewrite_prefixes
 
 
@@ -47,11 +49,20 @@ class DiffReport:
         return {**asdict(self), "equal": self.equal}
 
 
-def _weights(path: str, key: str | None, trust: bool, allow_globals: AllowGlobals, option: str) -> Any:
+def _weights(
+    path: str, key: str | None, trust: bool, allow_globals: AllowGlobals, option: str, notes: list[str]
+) -> Any:
+    """The model weights as a plain model names them, unwrapped as convert unwraps them (an
+    averaging wrapper's count set aside, and said so in ``notes``)."""
     from .read import read_checkpoint  # deferred: diff is reached from the CLI, which starts without torch
 
     obj = read_checkpoint(path, map_location="cpu", trust=trust, allow_globals=allow_globals)
-    return rewrite_prefixes(find_model_state(obj, key=key, source=path, option=option)[1], to="single")
+    state = find_model_state(obj, key=key, source=path, option=option)[1]
+    count = averaged_count(state)
+    if count is not None:
+        notes.append(f"{path}: {count} ({AVERAGED_COUNTS[count]}) set aside: a plain model has no such buffer")
+        state = without_averaged_count(state)
+    return rewrite_prefixes(state, to="single")
 
 
 def _compare(name: str, x: Any, y: Any, atol: float, rtol: float) -> TensorDiff | None:
@@ -104,9 +115,10 @@ def diff_checkpoints(
         True
     """
     pa, pb = os.fspath(a), os.fspath(b)
-    wa, wb = _weights(pa, key_a, trust, allow_globals, "key_a"), _weights(pb, key_b, trust, allow_globals, "key_b")
     report = DiffReport(pa, pb, atol=atol, rtol=rtol)
     report.notes = [note for p in (pa, pb) if os.path.isfile(p) and (note := shard_note(Path(p)))]
+    wa = _weights(pa, key_a, trust, allow_globals, "key_a", report.notes)
+    wb = _weights(pb, key_b, trust, allow_globals, "key_b", report.notes)
     report.only_in_a = [k for k in wa if k not in wb]
     report.only_in_b = [k for k in wb if k not in wa]
     pairs = [(name, x, wb[name]) for name, x in wa.items() if name in wb]
