@@ -4,6 +4,7 @@ stays on its own host, and a check runs on the finished temp before it is publis
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -14,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from ckptkit.errors import CheckpointFormatError, CheckpointNotFoundError, CheckpointWriteError, CkptkitError
-from ckptkit.io import atomic
+from ckptkit.io import atomic, remote
 from ckptkit.io.atomic import TMP_SUFFIX, atomic_write, remove_stale_temps
 from ckptkit.io.atomicdir import atomic_folder
+from tests.conftest import ROOT
 
 
 def temps(folder: Path) -> list[str]:
@@ -339,3 +341,37 @@ def test_a_read_only_folder_is_a_write_error_naming_it(tmp_path: Path, monkeypat
     with pytest.raises(CheckpointWriteError, match="read-only filesystem"):
         with atomic_write(tmp_path / "x.pt") as f:
             f.write(b"never")
+
+
+# -- 5. staging folders (io.remote) are cleaned as temp files are ------------------------------------
+
+
+# Was: a writer killed mid-upload left its staging folder, with no host or pid in its name, for good.
+def test_staging_folders_of_killed_writers_on_this_host_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code = """
+        import os, signal
+        from ckptkit.io import remote
+        with remote.staging("s3://bucket/run/ckpt.pt") as local:
+            local.write_bytes(b"staged, never uploaded")
+            os.kill(os.getpid(), signal.SIGKILL)
+    """
+    monkeypatch.setenv("CKPTKIT_STAGING", str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for host in ("other-node", platform.node()):
+        proc = subprocess.run(
+            [sys.executable, "-c", f"import platform\nplatform.node = lambda: {host!r}\n" + textwrap.dedent(code)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+    theirs, ours = (f".ckptkit-stage.{atomic.host_tag(h)}-" for h in ("other-node", platform.node()))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 2 and {n.startswith(theirs) for n in left} == {True, False}  # tagged by host and pid
+    with remote.staging("s3://bucket/run/next.pt") as local:
+        assert local.parent.name.startswith(f"{ours}{os.getpid()}-")
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(theirs)  # ours went; a pid of another host means nothing here

@@ -6,7 +6,9 @@ Needs moto and s3fs (``pip install 'ckptkit[s3]' moto``); skipped without them.
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -384,3 +386,144 @@ def test_a_url_ending_in_a_slash_is_refused_as_a_folder(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2)}, src)
     with pytest.raises(ckptkit.errors.ArgumentError, match="writes single objects to URLs, not folders"):
         ckptkit.convert_checkpoint(src, "memory://bucket/out.safetensors/", force=True)
+
+
+# -- one writer per folder in a store: conditional PUTs on the writer record --------------------
+
+
+def test_the_writer_record_is_written_only_on_its_condition(prefix: str) -> None:
+    """If-None-Match: * creates, If-Match: <ETag> replaces; the store refuses either once another wrote."""
+    url = f"{prefix}/run/.ckptkit-writer"
+    first = remote.put_record(url, b"a", if_match=None)
+    assert first is not None and remote.put_record(url, b"b", if_match=None) is None
+    second = remote.put_record(url, b"c", if_match=first)
+    assert second is not None and second != first
+    assert remote.put_record(url, b"d", if_match=first) is None  # a writer holding a stale view loses
+    assert remote.read_record(url) == (b"c", second)
+    remote.delete_record(url, first)  # not the version there: left alone
+    assert remote.read_record(url) == (b"c", second)
+    remote.delete_record(url, second)
+    assert remote.read_record(url) is None
+
+
+def test_a_url_folder_refuses_a_second_writer_and_takes_over_a_killed_one(prefix: str) -> None:
+    from tests.ops.test_folder import _ask, _writer
+
+    url = f"{prefix}/run"
+    killed = _writer(url)
+    try:
+        assert _ask(killed, 1) == "committed 1"
+        folder = ckptkit.CheckpointFolder(url, keep=1)
+        with pytest.raises(ckptkit.errors.CheckpointWriteError) as info:
+            folder.path_for(2)
+        assert (
+            f"cannot write to {url}: another writer holds it (host {platform.node()}, pid {killed.pid}, since "
+            in str(info.value)
+        )
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    assert json.loads(_fs().cat_file(f"{url}/.ckptkit-writer"))["pid"] == killed.pid  # kill -9 cleans nothing
+    ckptkit.save_on_master({"step": torch.tensor(2)}, folder.path_for(2))
+    folder.commit(folder.path_for(2))
+    assert json.loads(_fs().cat_file(f"{url}/.ckptkit-writer"))["pid"] == os.getpid()
+    assert folder.checkpoints() == [f"{url}/step_000000002.pt"]
+
+
+def test_a_url_folder_of_a_writer_on_another_host_is_held_until_its_lease_runs_out(prefix: str) -> None:
+    url = f"{prefix}/run"
+
+    def record(expires: float) -> None:
+        holder = dict(host="other-node", tag="other-node", pid=1, since="2026-01-02T03:04:05+00:00", expires=expires)
+        _fs().pipe_file(f"{url}/.ckptkit-writer", json.dumps({**holder, "token": "feedface"}).encode())
+
+    record(time.time() + 600)
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=r"another writer holds it \(host other-node, pid 1,"):
+        ckptkit.CheckpointFolder(url).path_for(1)
+    record(time.time() - 1)
+    folder = ckptkit.CheckpointFolder(url)
+    ckptkit.save_on_master({"w": torch.ones(2)}, folder.path_for(1))
+    folder.commit(folder.path_for(1))
+    assert json.loads(_fs().cat_file(f"{url}/.ckptkit-writer"))["host"] == platform.node()
+    with folder.open_latest() as local:  # a staging copy of its own: the writer's pruning cannot pull it away
+        assert local is not None and local.name == "step_000000001.pt"
+        assert torch.equal(ckptkit.read_checkpoint(local)["w"], torch.ones(2))
+
+
+# -- killed writers leave nothing that grows ---------------------------------------------------
+
+
+# Was: each kill -9 left its staging folder (no host or pid in its name, never cleaned) and an
+# open multipart upload, stored and billed.
+@pytest.mark.slow  # a writer process, killed
+def test_the_next_write_cleans_what_a_killed_uploader_left(prefix: str, s3_endpoint: str, tmp_path: Path) -> None:
+    url = f"{prefix}/run/step_000000002.pt"
+    ready = tmp_path / "ready"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_CHILD), str(ready), url],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = list((tmp_path / "staging").iterdir())
+    assert len(left) == 1 and f"-{proc.pid}-" in left[0].name  # tagged by host and pid
+    assert _unfinished_uploads(s3_endpoint, _key(url)) == [_key(url)]
+    ckptkit.save_on_master(_state(2), url)  # the next write to that key
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
+    assert not list((tmp_path / "staging").iterdir())
+    assert _equal(ckptkit.read_checkpoint(url), _state(2))
+
+
+# -- the endpoint lost mid-upload -----------------------------------------------------------------
+
+
+@pytest.fixture
+def lost_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
+    """A server of its own, for a test that stops it; s3fs's cached filesystems forgotten around it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setattr(remote, "PART_SIZE", 5 << 20)
+    monkeypatch.setenv("CKPTKIT_STAGING", str(tmp_path))
+    with monkeypatch.context() as m:
+        m.setenv("AWS_ENDPOINT_URL", endpoint)
+        m.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries of a refused connection would take seconds
+        for k, v in ENV.items():
+            m.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        _client(endpoint).create_bucket(Bucket=BUCKET)
+        try:
+            yield server, f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt.pt"
+        finally:
+            server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+# Was: 166 lines ending in botocore's EndpointConnectionError, which is not an OSError.
+def test_losing_the_endpoint_mid_upload_is_one_line_naming_the_url(
+    lost_endpoint: tuple[Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, url = lost_endpoint
+    torch.save(_state(), tmp_path / "ddp.pt")
+    call = s3fs.core.S3File._call_s3
+
+    def losing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "upload_part" and kwargs.get("PartNumber") == 2:
+            server.stop()  # the store goes away between two parts: a real refused connection follows
+        return call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3File, "_call_s3", losing)
+    code, out, err = run("convert", tmp_path / "ddp.pt", url)
+    assert code == 1 and "Traceback" not in err and len(lines(err)) == 1, err
+    assert lines(err)[0].startswith(f"ckptkit: error: cannot write {url}: Could not connect to the endpoint URL")
+    assert "untouched" in err

@@ -1,9 +1,15 @@
-"""CheckpointFolder, AsyncSaver and StopSignal in one process."""
+"""CheckpointFolder (and its one writer against rival processes), AsyncSaver and StopSignal."""
 
 from __future__ import annotations
 
+import gc
+import json
 import os
+import platform
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +19,7 @@ import ckptkit
 from ckptkit.io.atomic import TMP_SUFFIX
 from ckptkit.training.rng import capture_rng_state, restore_rng_state
 from fixtures.models import TiedLM, TinyNet
+from tests.conftest import ROOT
 
 
 def fill(folder: ckptkit.CheckpointFolder, steps: list[int]) -> None:
@@ -150,3 +157,193 @@ def test_a_checkpoint_folder_creates_itself(tmp_path: Path) -> None:
     ckptkit.save_on_master({"w": torch.ones(1)}, folder.path_for(1))
     folder.commit(folder.path_for(1))
     assert folder.latest() == folder.path_for(1)
+
+
+# -- one writer per folder -------------------------------------------------------------------
+
+RECORD = ".ckptkit-writer"  # the folder's writer record: host, pid, since, lease
+_WRITER = """
+import sys, torch, ckptkit
+folder = ckptkit.CheckpointFolder(sys.argv[1], keep=1)
+for line in sys.stdin:  # a step to save and commit, one a line, as a trainer would
+    step = int(line)
+    try:
+        path = folder.path_for(step)
+        ckptkit.save_on_master({"step": torch.tensor(step)}, path)
+        folder.commit(path)
+    except ckptkit.CkptkitError as e:
+        print(f"refused: {e}", flush=True)
+    else:
+        print(f"committed {step}", flush=True)
+"""
+
+
+def _writer(folder: Path | str) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    return subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(folder)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ask(proc: subprocess.Popen[str], step: int) -> str:
+    """What the writer says about saving and committing ``step`` (it answers one line a step)."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"{step}\n")
+    proc.stdin.flush()
+    answer = proc.stdout.readline().strip()
+    assert answer, proc.communicate()  # the writer died
+    return answer
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait() == 0, proc.communicate()
+
+
+def _step_in(path: Path | str | None) -> int:
+    assert path is not None
+    return int(ckptkit.read_checkpoint(path)["step"])
+
+
+# Was: a requeued job beside the old one on the same folder: each pruned the other's files,
+# `latest` named a file the other had deleted, and nothing told either of them.
+def test_a_second_live_writer_is_refused_naming_the_first(tmp_path: Path) -> None:
+    first, second = _writer(tmp_path), _writer(tmp_path)
+    try:
+        assert _ask(first, 1) == "committed 1"
+        refused = _ask(second, 2)
+        assert refused.startswith(f"refused: cannot write to {tmp_path}: another writer holds it (host ")
+        assert f"host {platform.node()}, pid {first.pid}, since " in refused and "another folder" in refused
+        assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000000001.pt"]  # nothing written by it
+        assert _ask(first, 3) == "committed 3"  # the first goes on undisturbed
+        assert (tmp_path / "latest").read_text() == "step_000000003.pt\n" and _step_in(
+            tmp_path / "step_000000003.pt"
+        ) == 3
+        _finish(first)  # done with the folder: its record goes with it
+        assert not (tmp_path / RECORD).exists()
+        assert _ask(second, 4) == "committed 4"
+        _finish(second)
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000000004.pt"]
+    assert _step_in(ckptkit.CheckpointFolder(tmp_path).latest()) == 4
+
+
+def test_a_killed_writers_lease_is_taken_over(tmp_path: Path) -> None:
+    killed = _writer(tmp_path)
+    assert _ask(killed, 1) == "committed 1"
+    folder = ckptkit.CheckpointFolder(tmp_path, keep=1)
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=f"pid {killed.pid}, since "):
+        folder.path_for(2)
+    killed.send_signal(signal.SIGKILL)  # kill -9 runs no cleanup: its record stays, naming a dead pid
+    killed.wait()
+    assert json.loads((tmp_path / RECORD).read_text())["pid"] == killed.pid
+    fill(folder, [2])
+    assert json.loads((tmp_path / RECORD).read_text())["pid"] == os.getpid()
+    assert folder.checkpoints() == [folder.path_for(2)] and _step_in(folder.latest()) == 2  # it pruned the dead one's
+
+
+def _record(folder: Path, *, host: str, expires: float) -> None:
+    holder = dict(host=host, tag=host, pid=4242, since="2026-01-02T03:04:05+00:00", expires=expires, token="feedface")
+    (folder / RECORD).write_text(json.dumps(holder))
+
+
+def test_a_writer_on_another_host_holds_the_folder_until_its_lease_runs_out(tmp_path: Path) -> None:
+    _record(tmp_path, host="other-node", expires=time.time() + 600)  # its pid means nothing here: the lease decides
+    with pytest.raises(ckptkit.errors.CheckpointWriteError) as info:
+        ckptkit.CheckpointFolder(tmp_path).path_for(1)
+    assert "another writer holds it (host other-node, pid 4242, since 2026-01-02T03:04:05+00:00;" in str(info.value)
+    _record(tmp_path, host="other-node", expires=time.time() - 1)  # it stopped renewing: dead
+    folder = ckptkit.CheckpointFolder(tmp_path)
+    fill(folder, [1])
+    assert json.loads((tmp_path / RECORD).read_text())["host"] == platform.node()
+
+
+def test_the_record_is_renewed_and_released(tmp_path: Path) -> None:
+    folder = ckptkit.CheckpointFolder(tmp_path)
+    fill(folder, [1])
+    first = json.loads((tmp_path / RECORD).read_text())
+    fill(folder, [2])  # each commit renews the lease
+    second = json.loads((tmp_path / RECORD).read_text())
+    assert second["expires"] > first["expires"] and second["token"] == first["token"]
+    del folder
+    gc.collect()
+    assert not (tmp_path / RECORD).exists()
+
+
+def test_a_writer_whose_lease_was_taken_over_stops_before_latest_moves(tmp_path: Path) -> None:
+    """A writer stopped past its lease (SIGSTOP, a hung mount) comes back to a folder another took over."""
+    folder = ckptkit.CheckpointFolder(tmp_path, keep=1)
+    fill(folder, [1])
+    _record(tmp_path, host="other-node", expires=time.time() + 600)  # what the other's takeover wrote
+    ckptkit.save_on_master({"step": torch.tensor(2)}, tmp_path / "step_000000002.pt")
+    with pytest.raises(ckptkit.errors.CheckpointWriteError) as info:
+        folder.commit(tmp_path / "step_000000002.pt")
+    assert f"no longer holds {tmp_path / RECORD}: host other-node, pid 4242, since " in str(info.value)
+    assert (tmp_path / "latest").read_text() == "step_000000001.pt\n" and (tmp_path / "step_000000001.pt").exists()
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="no longer holds"):
+        folder.path_for(3)
+    assert json.loads((tmp_path / RECORD).read_text())["host"] == "other-node"  # never overwritten
+
+
+# Was: pruning counted every step file, so a checkpoint saved and not yet committed (another
+# writer's, or this one's own) was deleted as one of the oldest.
+def test_pruning_never_touches_an_uncommitted_checkpoint(tmp_path: Path) -> None:
+    folder = ckptkit.CheckpointFolder(tmp_path, keep=1)
+    ckptkit.save_on_master({"step": torch.tensor(5)}, folder.path_for(5))  # saved, its commit still to come
+    fill(folder, [10, 20])
+    assert [p.name for p in folder.checkpoints()] == ["step_000000005.pt", "step_000000020.pt"]
+    assert _step_in(folder.latest()) == 20
+
+
+def test_a_new_writer_prunes_what_the_one_before_committed(tmp_path: Path) -> None:
+    fill(ckptkit.CheckpointFolder(tmp_path, keep=None), [1, 2])
+    gc.collect()
+    (tmp_path / "step_000000009.pt").write_bytes(b"a dead writer's, never committed")
+    fill(ckptkit.CheckpointFolder(tmp_path, keep=2), [3, 4])
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_000000003.pt",
+        "step_000000004.pt",
+        "step_000000009.pt",
+    ]
+
+
+# Was: a reader got a path from latest() that the writer pruned before the reader opened it.
+def test_open_latest_holds_the_checkpoint_while_the_writer_prunes_it(tmp_path: Path) -> None:
+    writer = _writer(tmp_path)
+    try:
+        assert _ask(writer, 1) == "committed 1"
+        reader = ckptkit.CheckpointFolder(tmp_path)
+        with reader.open_latest() as path:
+            assert path is not None and path.name == "step_000000001.pt"
+            assert _ask(writer, 2) == "committed 2"  # keep=1: step 1 is pruned now
+            assert not (tmp_path / "step_000000001.pt").exists()
+            assert _step_in(path) == 1  # still readable, whole
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(TMP_SUFFIX)]  # the hold is gone
+        with reader.open_latest(full=True) as path:
+            assert reader.step_of(path) == 2 and _step_in(path) == 2
+        _finish(writer)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+
+
+def test_open_latest_skips_a_torn_file_and_says_none_for_an_empty_folder(tmp_path: Path) -> None:
+    folder = ckptkit.CheckpointFolder(tmp_path, keep=None)
+    with folder.open_latest() as path:
+        assert path is None
+    fill(folder, [1])
+    (tmp_path / "step_000000002.pt").write_bytes(b"torn")
+    (tmp_path / "latest").write_text("step_000000002.pt\n")
+    with folder.open_latest() as path:
+        assert path is not None and _step_in(path) == 1

@@ -75,7 +75,7 @@ def temp_path(dest: Path) -> Path:
     return dest.with_name(f".{name_stem(dest)}.{_HOST}-{os.getpid()}-{os.urandom(4).hex()}{TMP_SUFFIX}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -104,7 +104,7 @@ def remove_stale_temps(dest: Path) -> list[Path]:
         return removed
     for entry in entries:
         m = rest.fullmatch(entry.name[len(prefix) :]) if entry.name.startswith(prefix) else None
-        if m and not _pid_alive(int(m["pid"])):
+        if m and not pid_alive(int(m["pid"])):
             with contextlib.suppress(FileNotFoundError):
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)

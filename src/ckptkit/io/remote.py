@@ -35,6 +35,7 @@ from ..errors import (
     CkptkitError,
     StorageError,
 )
+from .atomic import remove_stale_temps, temp_path
 from .fileio import crc32
 
 PART_SIZE = 32 << 20  # one upload part, one ranged GET: what is held in memory (S3's parts are 5 MiB at least)
@@ -43,6 +44,9 @@ CRC_KEY = "ckptkit-crc32"  # user metadata on objects ckptkit writes: the CRC-32
 _SMALL = 1 << 16  # the most a pointer object may hold
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 _INSTALL = "pip install 'ckptkit[s3]'"
+_STAGE = "ckptkit-stage"  # staging folders are temp folders for this name in $CKPTKIT_STAGING
+# A precondition of a conditional request that did not hold (S3: 412; 409 where two raced).
+_LOST_RACE = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "412", "409", "404"}
 
 
 def is_url(path: object) -> bool:
@@ -174,10 +178,16 @@ def download(url: str, local: Path) -> int:
 
 @contextlib.contextmanager
 def staging(url: str) -> Iterator[Path]:
-    """A new staging folder, removed afterwards; yields the file named as the URL's object."""
-    root = os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir()
+    """A new staging folder, removed afterwards; yields the file named as the URL's object.
+
+    The folder is named as :mod:`.atomic` names temp files (``.ckptkit-stage.{host}-{pid}-{random}.ckptkit-tmp``),
+    so the folders of writers killed on this host (kill -9 runs no cleanup) are removed here, by the next one.
+    """
+    root = Path(os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir())
+    remove_stale_temps(root / _STAGE)
+    folder = temp_path(root / _STAGE)
     try:
-        folder = Path(tempfile.mkdtemp(prefix="ckptkit-stage-", dir=root))
+        folder.mkdir(mode=0o700)  # as mkdtemp makes it: the staged bytes are the caller's alone
     except OSError as e:
         raise StorageError(
             f"{url}: cannot make a staging folder in {root} ({e}); set CKPTKIT_STAGING to a writable folder"
@@ -263,3 +273,107 @@ def read_small(url: str) -> bytes | None:
         return None
     except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise StorageError(f"{url}: reading it failed ({e}); check the network and try again") from e
+
+
+def one_line(e: BaseException) -> str:
+    """``e`` as one line: botocore's messages name the request, some span lines."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def store_failure(e: BaseException) -> bool:
+    """Whether ``e`` is the store's or the network's: an OSError, or botocore's and aiohttp's own
+    (EndpointConnectionError, NoCredentialsError, ...), which are not OSErrors."""
+    return isinstance(e, OSError) or type(e).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
+
+
+# -- small records written conditionally (a folder's writer lease) ---------------------------
+
+
+def _lost_race(e: OSError) -> bool:
+    """Whether the store refused a conditional request because its condition did not hold."""
+    if isinstance(e, (FileExistsError, FileNotFoundError)):
+        return True
+    response = getattr(e.__cause__, "response", None) or {}
+    return str(response.get("Error", {}).get("Code")) in _LOST_RACE
+
+
+async def _get(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    async with response["Body"] as body:
+        return bytes(await body.read()), str(response["ETag"])
+
+
+def read_record(url: str) -> tuple[bytes, str] | None:
+    """The bytes of a small object and their version (its ETag), or None where there is none.
+
+    Raises:
+        StorageError: the store failed.
+    """
+    fs, key = filesystem(url)
+    try:
+        if "s3" in protocols(fs):
+            from fsspec.asyn import sync  # deferred with fsspec: the ETag and the bytes of one GET
+
+            bucket, path, _ = fs.split_path(key)
+            return sync(fs.loop, _get, fs, bucket, path)
+        fs.invalidate_cache(key)
+        data = bytes(fs.cat_file(key))
+        return data, data.decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
+        raise StorageError(f"{url}: reading it failed ({one_line(e)}); check the network and try again") from e
+
+
+def put_record(url: str, data: bytes, *, if_match: str | None) -> str | None:
+    """Write a small object only if it is still version ``if_match`` (None: only if there is none).
+
+    Returns its new version, or None where the condition did not hold. On S3 the condition is the
+    store's (``If-Match``, ``If-None-Match: *``), so two writers never both succeed; other fsspec
+    stores are read and then written, which narrows a race but does not close it.
+
+    Raises:
+        StorageError: the store failed.
+    """
+    fs, key = filesystem(url)
+    try:
+        if "s3" in protocols(fs):
+            bucket, path, _ = fs.split_path(key)
+            condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
+            done = fs.call_s3("put_object", Bucket=bucket, Key=path, Body=data, **condition)
+            fs.invalidate_cache(key)
+            return str(done["ETag"])
+        found = read_record(url)
+        if (found[1] if found else None) != if_match:
+            return None
+        fs.pipe_file(key, data)
+        return data.decode(errors="replace")
+    except OSError as e:
+        if _lost_race(e):
+            return None
+        raise StorageError(f"{url}: writing it failed ({one_line(e)}); check the network and permissions") from e
+    except Exception as e:  # noqa: BLE001 - botocore's own (no credentials, endpoint gone)
+        raise StorageError(f"{url}: writing it failed ({one_line(e)}); check the network and credentials") from e
+
+
+def delete_record(url: str, version: str) -> None:
+    """Remove a small object if it is still ``version`` (another writer's is left alone).
+
+    Raises:
+        StorageError: the store failed.
+    """
+    fs, key = filesystem(url)
+    try:
+        if "s3" in protocols(fs):
+            bucket, path, _ = fs.split_path(key)
+            fs.call_s3("delete_object", Bucket=bucket, Key=path, IfMatch=version)
+            fs.invalidate_cache(key)
+            return
+        found = read_record(url)
+        if found is not None and found[1] == version:
+            fs.rm(key)
+    except OSError as e:
+        if not _lost_race(e):
+            raise StorageError(f"{url}: deleting it failed ({one_line(e)}); delete it by hand") from e
+    except Exception as e:  # noqa: BLE001 - botocore's own (no credentials, endpoint gone)
+        raise StorageError(f"{url}: deleting it failed ({one_line(e)}); delete it by hand") from e

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
-from ..errors import CkptkitError
+from ..errors import CheckpointNotFoundError, CkptkitError
 from . import remote, upload
-from .atomic import atomic_write
+from .atomic import atomic_write, remove_stale_temps, temp_path
 
 
 class Local:
@@ -56,6 +58,41 @@ class Local:
         """A local path to write (atomically, by the writer): the path itself."""
         yield self.spelled
 
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[str]:
+        """A local path to this file that stays readable for the block, even if the file is deleted
+        meanwhile: a hard link in a temp folder beside it (removed afterwards, or as debris once this
+        process is dead), or a copy where the folder takes no links. Errors inside name the file.
+
+        Raises:
+            CheckpointNotFoundError: the file is not there (any more).
+        """
+        try:
+            source = open(self.path, "rb")  # holds the file: removing its name now frees nothing
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.spelled}: no such file (removed)", filename=self.spelled) from None
+        with source, self._pin_place() as local:
+            if not _linked(self.path, local, source):
+                with open(local, "xb") as copy:
+                    shutil.copyfileobj(source, copy, 1 << 20)
+            with remote.naming(local, self.spelled):
+                yield os.fspath(local)
+
+    @contextlib.contextmanager
+    def _pin_place(self) -> Iterator[Path]:
+        remove_stale_temps(self.path)  # pins of readers killed before they removed theirs
+        folder = temp_path(self.path)
+        try:
+            folder.mkdir()
+        except OSError:  # a folder this process may only read: a copy in a staging folder
+            with remote.staging(self.spelled) as local:
+                yield local
+            return
+        try:
+            yield folder / self.path.name
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def spell(self, text: str, local: str) -> str:
         """``text`` naming this place where it named ``local`` (the same path here)."""
         return text
@@ -82,6 +119,7 @@ class Local:
 
     def delete(self) -> None:
         self.path.unlink(missing_ok=True)
+        remove_stale_temps(self.path)  # and what dead writers and readers left for it
 
     def read_small(self) -> bytes | None:
         return self.path.read_bytes() if self.path.is_file() else None
@@ -122,6 +160,16 @@ class Remote:
             yield os.fspath(local)
 
     @contextlib.contextmanager
+    def pinned(self) -> Iterator[str]:
+        """The object in a local file of this process's own, for the block's length (as :meth:`reading`).
+
+        Raises:
+            CheckpointNotFoundError: no object there (any more).
+        """
+        with self.reading() as local:
+            yield local
+
+    @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
         """A local staging path to write; uploaded and read back when the block ends without error."""
         with upload.staged_write(self.spelled) as local:
@@ -160,6 +208,19 @@ class Remote:
 
 
 Location = Local | Remote
+
+
+def _linked(path: Path, link: Path, source: BinaryIO) -> bool:
+    """Whether ``link`` now names the file open as ``source`` (``path`` may have been replaced since)."""
+    try:
+        os.link(path, link)
+    except OSError:  # gone since it was opened, or a filesystem without hard links
+        return False
+    mine, linked = os.fstat(source.fileno()), os.stat(link)
+    if (mine.st_dev, mine.st_ino) == (linked.st_dev, linked.st_ino):
+        return True
+    link.unlink()
+    return False
 
 
 def locate(path: str | os.PathLike[str] | Location) -> Location:

@@ -3,7 +3,10 @@
 The commit is what the store offers: one PUT, or the completion of a multipart upload. A
 failure or an interrupt before it aborts the upload (fsspec's file would commit what it has
 when closed), so a URL shows the previous object or the new one whole, never part of one.
-Memory stays bounded: one part is held at a time.
+Memory stays bounded: one part is held at a time. A writer killed mid-upload (kill -9 runs no
+cleanup code) leaves its multipart upload open, stored and billed: the next write to that key
+aborts it (a bucket lifecycle rule, AbortIncompleteMultipartUpload, removes those of keys that are
+never written again).
 
 Example:
     >>> with staged_write("s3://bucket/single.pt") as local:  # doctest: +SKIP
@@ -20,7 +23,7 @@ from typing import Any
 from ..errors import CheckpointWriteError, CkptkitError
 from . import remote
 from .fileio import crc32
-from .remote import CRC_KEY, filesystem, naming, object_info, protocols, staging, stream
+from .remote import CRC_KEY, filesystem, naming, object_info, one_line, protocols, staging, store_failure, stream
 
 _MAX_PARTS = 9000  # S3 allows 10,000 parts: beyond PART_SIZE * this, parts grow
 
@@ -49,6 +52,36 @@ def _abort(out: Any, fs: Any, key: str) -> None:
             out.closed = True  # __del__ would close, and closing commits what was sent
 
 
+def abort_left_uploads(fs: Any, key: str) -> list[str]:
+    """Abort the multipart uploads open for exactly ``key`` before this write starts; their ids.
+
+    Called before this write opens its own, so each is an earlier writer's: one killed mid-upload,
+    or one still running, which the write starting now replaces anyway. S3 lists neither an
+    upload's metadata nor its tags, so an upload another tool left for a key ckptkit writes is
+    aborted too. Only for ``s3://``; best effort (listing needs s3:ListBucketMultipartUploads).
+    """
+    if "s3" not in protocols(fs):
+        return []
+    bucket, path, _ = fs.split_path(key)
+    aborted: list[str] = []
+    marker: dict[str, str] = {}
+    try:
+        while True:
+            found = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=path, **marker)
+            for upload in found.get("Uploads", []):
+                if upload["Key"] == path:  # the prefix also lists step_1.pt.bak for step_1.pt
+                    with contextlib.suppress(FileNotFoundError):  # aborted meanwhile by another writer
+                        fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=path, UploadId=upload["UploadId"])
+                    aborted.append(upload["UploadId"])
+            if not found.get("IsTruncated"):
+                return aborted
+            marker = {"KeyMarker": found["NextKeyMarker"], "UploadIdMarker": found["NextUploadIdMarker"]}
+    except Exception as e:  # noqa: BLE001 - cleanup must not fail the write: the write reports a store that is down
+        if not store_failure(e):
+            raise
+        return aborted
+
+
 def upload_verified(local: Path, url: str) -> None:
     """Upload the file ``local`` to ``url`` in parts, commit, and read the object back.
 
@@ -64,11 +97,12 @@ def upload_verified(local: Path, url: str) -> None:
     part = max(remote.PART_SIZE, -(-size // _MAX_PARTS))
     extra = {"Metadata": {CRC_KEY: f"{crc:08x}"}} if "s3" in protocols(fs) else {}
     untouched = f"the previous object at {url}, if any, is untouched"
+    abort_left_uploads(fs, key)
     try:
         out = fs.open(key, "wb", block_size=part, **extra)
     except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise CheckpointWriteError(
-            f"cannot write {url}: {e}; {untouched}; check the bucket, credentials and network"
+            f"cannot write {url}: {one_line(e)}; {untouched}; check the bucket, credentials and network"
         ) from e
     try:
         sent = 0
@@ -81,8 +115,10 @@ def upload_verified(local: Path, url: str) -> None:
         out.close()  # the commit: one PUT, or completing the multipart upload
     except BaseException as e:  # an interrupt too: abort, so no partial object is ever committed
         _abort(out, fs, key)
-        if isinstance(e, OSError) and not isinstance(e, CkptkitError):
-            raise CheckpointWriteError(f"cannot write {url}: {e}; {untouched}; write it again") from e
+        if store_failure(e) and not isinstance(e, CkptkitError):  # botocore's are no OSError: one line, not a traceback
+            raise CheckpointWriteError(
+                f"cannot write {url}: {one_line(e)}; {untouched}; check the network, then write it again"
+            ) from e
         raise
     check_object(url, size=size, crc=crc)
 
@@ -130,5 +166,7 @@ def write_small(url: str, data: bytes) -> None:
     try:
         fs.pipe_file(key, data)
     except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
-        raise CheckpointWriteError(f"cannot write {url}: {e}; the previous object, if any, is untouched") from e
+        raise CheckpointWriteError(
+            f"cannot write {url}: {one_line(e)}; the previous object, if any, is untouched"
+        ) from e
     check_object(url, size=len(data), crc=crc32(data))

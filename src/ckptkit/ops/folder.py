@@ -1,16 +1,28 @@
-"""A folder of step-numbered checkpoints: keep the last K, point at the latest, survive debris."""
+"""A folder of step-numbered checkpoints: keep the last K, point at the latest, survive debris,
+admit one writer at a time."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..distributed import collectives as _dist
 from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, CheckpointWriteError, CkptkitError
+from ..io import lease as _lease
 from ..io.store import Location, locate
 from .save import rebuild_error
 from .verify import verify_checkpoint
+
+
+def _read_only(e: BaseException | None) -> bool:
+    return isinstance(e, PermissionError) or getattr(e, "errno", None) == errno.EROFS
+
+
+_REREADS = 16  # listings open_latest makes while a writer prunes each candidate before it is held
 
 
 class CheckpointFolder:
@@ -26,6 +38,15 @@ class CheckpointFolder:
     then paths are URL strings, a checkpoint object appears only once its upload is committed and
     read back (by :func:`save_on_master`), ``latest`` is one small object written after that, and
     old objects are deleted only after it. :meth:`latest` reads each candidate into a staging file.
+
+    One process writes a folder at a time. The first :meth:`path_for` or :meth:`commit` on global
+    rank 0 makes this process the folder's writer, in a lease recorded in ``.ckptkit-writer`` (its
+    host, pid and since when), renewed while it lives and removed when it is done. A second
+    writer (an old job still running beside its requeued copy, two runs given one folder) is
+    refused at once, with an error naming the first; a dead writer's lease is taken over (on its
+    host: its pid is gone; from any host: its lease ran out, 60 s after it last renewed). Pruning
+    removes only files this folder committed. A reader in another process opens the latest
+    checkpoint with :meth:`open_latest`, which the writer's pruning cannot pull away.
 
     Example:
         >>> ckpts = CheckpointFolder("runs/a/checkpoints", keep=3)  # doctest: +SKIP
@@ -48,10 +69,41 @@ class CheckpointFolder:
         self.keep = keep
         self.suffix = suffix
         self._pattern = re.compile(rf"^step_(\d+){re.escape(suffix)}$")
+        self._lease: _lease.Lease | None = None  # rank 0's, once it writes here
+        self._committed: set[str] = set()  # what pruning may remove: names this folder committed
 
     def path_for(self, step: int) -> Path | str:
-        """Where step ``step``'s checkpoint goes: a Path, or a URL string for a URL folder."""
-        return self._at.child(f"step_{step:09d}{self.suffix}").as_given()
+        """Where step ``step``'s checkpoint goes: a Path, or a URL string for a URL folder.
+
+        On global rank 0 the first call makes this process the folder's writer.
+
+        Raises:
+            CheckpointWriteError: another live process writes this folder (the message names its host,
+                pid and since when), or took it over after this process's lease lapsed.
+        """
+        at = self._at.child(f"step_{step:09d}{self.suffix}")
+        if _dist.rank() == 0:
+            self._hold(f"write {at.spelled}", renew=False)
+        return at.as_given()
+
+    def _hold(self, doing: str, *, renew: bool) -> None:
+        """Make this process the folder's writer, or check that it still is."""
+        if self._lease is None:
+            try:
+                self._lease = _lease.hold(self._at)
+            except OSError as e:  # CheckpointWriteError, StorageError
+                if renew or not _read_only(e.__cause__):
+                    raise
+                return  # a reader naming a file in a folder it cannot write is no rival writer
+            # What the writers before this one committed (the pointer moves only once a file is
+            # whole), as the pointer names them: a dead writer's uncommitted files stay untouched.
+            newest = self.step_of(self._pointer() or "")
+            if newest is not None:
+                self._committed |= {c.name for c in self._checkpoints() if (self.step_of(c.name) or 0) <= newest}
+        if renew:
+            self._lease.check(doing)
+        elif self._lease.lost is not None:
+            raise CheckpointWriteError(f"cannot {doing}: {self._lease.lost}")
 
     def step_of(self, path: str | os.PathLike[str]) -> int | None:
         m = self._pattern.match(locate(path).name)
@@ -83,16 +135,22 @@ class CheckpointFolder:
                 f"{at.spelled}: cannot commit a checkpoint that does not exist; save it first, then commit",
                 filename=at.spelled,
             )
+        self._hold(f"commit {at.spelled}", renew=True)  # the lease renewed and held before latest moves
+        self._committed.add(at.name)
         self._at.child(self.POINTER).write_small(f"{at.name}\n".encode())  # atomic; on a store, one PUT read back
         self._prune(at.name)
 
     def _prune(self, name: str) -> None:
-        """Remove all but the newest ``keep``, once ``latest`` names ``name``."""
+        """Remove all but the newest ``keep`` committed files, once ``latest`` names ``name``. Files
+        this folder did not commit (being written, saved and not yet committed) are never touched."""
         if self.keep is None:
             return
-        for old in self._checkpoints()[: -self.keep]:
-            if old.name != name:
-                old.delete()
+        present = {c.name for c in self._checkpoints()}
+        self._committed &= present | {name}
+        for old in sorted(self._committed, key=lambda n: self.step_of(n) or 0)[: -self.keep]:
+            if old != name:
+                self._at.child(old).delete()
+                self._committed.discard(old)
 
     def latest(self, *, full: bool = False) -> Path | str | None:
         """The newest checkpoint that is intact, or None. Must be called on all ranks: rank 0
@@ -129,18 +187,67 @@ class CheckpointFolder:
             )
         return locate(answer).as_given() if answer else None
 
+    @contextlib.contextmanager
+    def open_latest(self, *, full: bool = False) -> Iterator[Path | None]:
+        """The newest intact checkpoint as a local file held open for the block, or None.
+
+        For a reader beside the writer (an evaluation or a monitor): :meth:`latest` names a file
+        that the writer's next commit may prune before the reader opens it. Here the file is held
+        first (a hard link beside it; for a URL, a staging copy) and checked after, so it stays
+        readable for the whole block whatever the writer does, and a candidate pruned before it
+        was held is skipped for the one that replaced it. Not collective: call it in one process.
+        Pass the path to :func:`read_checkpoint`, :func:`load_for_rank` and the rest; its name is
+        the checkpoint's (``folder.step_of(path)`` gives the step).
+
+        Args:
+            full: check every payload byte of a candidate (its CRC-32s), as :meth:`latest` does.
+
+        Raises:
+            CheckpointFormatError: the folder cannot be read.
+
+        Example:
+            >>> with CheckpointFolder("runs/a/checkpoints").open_latest() as path:  # doctest: +SKIP
+            ...     if path is not None:
+            ...         state = read_checkpoint(path)
+        """
+        for _ in range(_REREADS):
+            for candidate in self._candidates():
+                with contextlib.ExitStack() as held:
+                    try:
+                        local = Path(held.enter_context(candidate.pinned()))
+                    except CheckpointNotFoundError:
+                        break  # pruned since the listing: a newer one was committed; list again
+                    except CkptkitError:
+                        raise
+                    except OSError as e:
+                        raise CheckpointFormatError(f"{self.folder}: cannot read it to pick a checkpoint ({e})") from e
+                    if verify_checkpoint(local, full=full).intact:
+                        yield local
+                        return
+            else:
+                yield None
+                return
+        raise CheckpointNotFoundError(
+            f"{self.folder}: checkpoints were pruned {_REREADS} times before one could be opened; "
+            "the writer commits faster than this reader lists: try again",
+            filename=str(self.folder),
+        )
+
+    def _candidates(self) -> list[Location]:
+        """The checkpoint files, newest first; the one ``latest`` names before all."""
+        candidates = list(reversed(self._checkpoints()))
+        if name := self._pointer():
+            named = [c for c in candidates if c.name == name]
+            candidates = named + [c for c in candidates if c.name != name]
+        return candidates
+
     def _pointer(self) -> str | None:
         data = self._at.child(self.POINTER).read_small()
         return data.decode(errors="replace").strip() if data is not None else None
 
     def _find(self, full: bool) -> Path | str | None:
-        candidates = [c.as_given() for c in reversed(self._checkpoints())]
-        if name := self._pointer():
-            named = self._at.child(name).as_given()
-            if named in candidates:  # the pointer names the newest committed one; try it first
-                candidates.remove(named)
-                candidates.insert(0, named)
-        for path in candidates:
+        for candidate in self._candidates():  # the pointer names the newest committed one; tried first
+            path = candidate.as_given()
             if verify_checkpoint(path, full=full).intact:
                 return path
         return None
