@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dcp.py --gib 1 --runs 3          # time, interleaved with cp -r
     python benchmarks/bench_dcp.py --gib 4 --only-memory     # peak private memory at 4 GiB
+    python benchmarks/bench_dcp.py --gib 1 --mesh --naive    # a 2x2 mesh (2-D parallelism), and torch
 
 The folder is saved by FSDP2 (``fully_shard``) on 2 gloo ranks: a GPT-like model (the shapes of
 bench_convert.py's) built on the meta device, so each rank holds only its shards. Each run does
@@ -78,11 +79,44 @@ def _save_rank(rank: int, world: int, rdzv: str, folder: str, gib: float) -> Non
         dist.destroy_process_group()
 
 
-def make_dcp(folder: Path, gib: float) -> None:
+def _save_rank_2d(rank: int, world: int, rdzv: str, folder: str, gib: float) -> None:
+    """The same model's weights as 2-D parallelism lays them out on a 2x2 mesh (FSDP over one
+    dim, tensor parallelism over the other): each matrix sharded along both dims, alternately
+    (Shard(0), Shard(1)) and (Shard(1), Shard(0)) as column- and row-parallel layers are; vectors
+    along dim 0, replicated over the other."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    d, vocab, ff, layers = gpt_dims(gib)
+    shapes = {"embed.weight": (vocab, d), "head.weight": (vocab, d), "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    for i in range(layers):
+        block = {"qkv.weight": (3 * d, d), "proj.weight": (d, d), "up.weight": (ff, d), "down.weight": (d, ff)}
+        block |= {"qkv.bias": (3 * d,), "proj.bias": (d,), "up.bias": (ff,), "down.bias": (d,)}
+        shapes |= {f"layers.{i}.{k}": v for k, v in block.items()}
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        g = torch.Generator().manual_seed(0)  # every rank builds the same full tensor, then keeps its shard
+        state = {}
+        for i, (name, shape) in enumerate(shapes.items()):
+            full = torch.randn(shape, generator=g)
+            grid = [Shard(0), Shard(1)] if i % 2 else [Shard(1), Shard(0)]
+            state[name] = distribute_tensor(full, mesh, grid if len(shape) == 2 else [Shard(0), Replicate()])
+        dcp.save(state, checkpoint_id=folder)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def make_dcp(folder: Path, gib: float, *, mesh: bool = False) -> None:
     import torch.multiprocessing as mp
 
+    ranks, save = (4, _save_rank_2d) if mesh else (2, _save_rank)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_save_rank, args=(2, os.path.join(tmp, "rdzv"), str(folder), gib), nprocs=2, join=True)
+        mp.spawn(save, args=(ranks, os.path.join(tmp, "rdzv"), str(folder), gib), nprocs=ranks, join=True)
 
 
 def _clear(path: Path) -> None:
@@ -96,6 +130,7 @@ def _clear(path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, runs=3, only_memory="only ckptkit's converts of the folder, once (for big --gib)")
+    ap.add_argument("--mesh", action="store_true", help="a 2x2 mesh's folder (2-D parallelism) instead of FSDP2's")
     ap.add_argument("--naive", action="store_true", help="also torch's dcp_to_torch_save (whole state dict in memory)")
     ap.add_argument(
         "--pair",
@@ -108,7 +143,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-dcp-"))
     try:
         src = scratch / "ckpt.dcp"
-        make_dcp(src, args.gib)
+        make_dcp(src, args.gib, mesh=args.mesh)
         size = sum(p.stat().st_size for p in src.iterdir())
         copy, out, shards = scratch / "copy.dcp", scratch / "single.pt", scratch / "hf"
         flat, flat_copy, flat_out = scratch / "flat.pt", scratch / "flat_copy.pt", scratch / "flat_out.pt"
@@ -169,7 +204,8 @@ def main() -> int:
         med = {name: statistics.median(ts) for name, ts in times.items()}
         base = {"dcp": ("cp -r ckpt.dcp", "cp -r ckpt.dcp && sync"), "pt": ("cp single.pt", "cp single.pt && sync")}
         print(
-            f"\nDCP folder: {size / 2**30:.2f} GiB in {len(dcp_in)} files ({size:,} bytes), saved by FSDP2 on 2 ranks; "
+            f"\nDCP folder: {size / 2**30:.2f} GiB in {len(dcp_in)} files ({size:,} bytes), saved "
+            f"{'on a 2x2 mesh (each matrix sharded along both dims), 4 ranks' if args.mesh else 'by FSDP2 on 2 ranks'}; "
             f"{args.runs if not args.only_memory else 1} interleaved run(s), inputs re-read before each\n"
         )
         print("| command | min / median / max s | x cp | x cp && sync | peak RssAnon MiB |")

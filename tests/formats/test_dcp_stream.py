@@ -6,15 +6,20 @@ The committed ``fixtures/fsdp2_dcp`` was saved by FSDP2 on 2 gloo ranks
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import pickle
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import ckptkit
@@ -129,7 +134,9 @@ def _rewrite_metadata(folder: Path, edit: object) -> None:
         pickle.dump(meta, f)
 
 
-@pytest.mark.parametrize(("row", "message"), [(18, "overlap at row 18"), (20, "leave rows 19..19 uncovered")])
+@pytest.mark.parametrize(
+    ("row", "message"), [(18, "overlap at row 18"), (20, r"is \[37, 8\] but has a chunk of \[18, 8\] at \[20, 0\]")]
+)
 def test_chunks_that_do_not_tile_are_an_error_naming_the_key(
     fixtures_dir: Path, tmp_path: Path, row: int, message: str
 ) -> None:
@@ -145,17 +152,72 @@ def test_chunks_that_do_not_tile_are_an_error_naming_the_key(
         meta.storage_data[type(index)("head.weight", [row, 0])] = info  # type: ignore[attr-defined]
 
     _rewrite_metadata(folder, move_second_chunk)
-    with pytest.raises(CheckpointFormatError, match=rf"chunks of tensor head\.weight .*{message}"):
+    with pytest.raises(CheckpointFormatError, match=rf"tensor head\.weight .*{message}"):
         ckptkit.convert_checkpoint(folder, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_chunks_split_along_dim_1_fall_back_to_torch(fixtures_dir: Path, tmp_path: Path) -> None:
-    report = ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp_dim1", tmp_path / "out.safetensors")
-    assert not report.fast and report.fallback_reason == "tensor mlp.0.weight is split along dim 1: loaded with torch"
-    _assert_same(
-        _read(tmp_path / "out.safetensors"), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True)
-    )
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_chunks_split_along_dim_1_convert_without_torch(fixtures_dir: Path, tmp_path: Path, suffix: str) -> None:
+    """Row-parallel weights (Shard(1)) used to send the whole checkpoint through torch's loader."""
+    out = tmp_path / f"out{suffix}"
+    proc, imported_torch = _convert_in_subprocess(str(fixtures_dir / "fsdp2_dcp_dim1"), str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["fast"] is True and report["fallback_reason"] == "" and not imported_torch
+    _assert_same(_read(out), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True))
+    assert ckptkit.verify_checkpoint(out).ok
+
+
+def _grid_entry(shape: tuple[int, ...], cuts: list[list[int]]) -> Any:
+    """A tensor entry whose chunks are the boxes of a grid: ``cuts[d]`` are dim d's split points."""
+    from ckptkit.formats.dcp.meta import Chunk, Stored, TensorEntry
+
+    bounds = [[0, *c, n] for c, n in zip(cuts, shape, strict=True)]
+    chunks = [
+        Chunk(
+            tuple(b[i] for b, i in zip(bounds, at, strict=True)),
+            tuple(b[i + 1] - b[i] for b, i in zip(bounds, at, strict=True)),
+            Stored("x", 0, 1),
+        )
+        for at in itertools.product(*(range(len(b) - 1) for b in bounds))
+    ]
+    return TensorEntry("t", "float32", shape, tuple(reversed(chunks)))  # metadata order is not offset order
+
+
+@given(data=st.data())
+@settings(max_examples=200, derandomize=True, deadline=None)
+def test_any_grid_of_chunks_reassembles_in_row_major_order(data: st.DataObject) -> None:
+    """2-D and 3-D meshes, uneven last chunks: the stretches rebuild the tensor exactly."""
+    from ckptkit.formats.dcp.meta import chunks_in_order
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=1, max_size=4)))
+    cuts = [sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else [] for n in shape]
+    entry = _grid_entry(shape, cuts)
+    chunks, runs = chunks_in_order(Path("f"), entry)
+    whole = torch.arange(math.prod(shape)).reshape(shape)
+    parts = [whole[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True))].reshape(-1) for c in chunks]
+    if runs is None:
+        rebuilt = torch.cat(parts)
+    else:
+        rebuilt = torch.cat([parts[runs[i]][runs[i + 1] : runs[i + 1] + runs[i + 2]] for i in range(0, len(runs), 3)])
+    assert torch.equal(rebuilt, whole.reshape(-1))
+
+
+def test_chunks_that_overlap_or_leave_a_gap_in_a_grid_are_refused() -> None:
+    from dataclasses import replace
+
+    from ckptkit.formats.dcp.meta import chunks_in_order
+
+    entry = _grid_entry((4, 6), [[2], [3]])
+    moved = replace(entry, chunks=(replace(entry.chunks[0], offsets=(2, 2)), *entry.chunks[1:]))
+    with pytest.raises(CheckpointFormatError, match="overlap at element"):
+        chunks_in_order(Path("f"), moved)
+    with pytest.raises(CheckpointFormatError, match=r"leave elements 15\.\.17 uncovered"):  # the box at [2, 3]
+        chunks_in_order(Path("f"), replace(entry, chunks=entry.chunks[1:]))
+    with pytest.raises(CheckpointFormatError, match="cover 21 of its 24 elements"):  # the box at [2, 3], cut short
+        short = replace(entry.chunks[0], sizes=(1, 3))
+        chunks_in_order(Path("f"), replace(entry, chunks=(short, *entry.chunks[1:])))
 
 
 def _save(tmp_path: Path, state: dict[str, object]) -> Path:
@@ -242,9 +304,7 @@ def test_inspect_reads_the_metadata_without_torch(fixtures_dir: Path) -> None:
         16,
     ]
     assert imported_torch == "False"
-    assert ckptkit.inspect_checkpoint(
-        fixtures_dir / "fsdp2_dcp_dim1"
-    ).loaded_with_torch  # split along dim 1: torch reads it
+    assert not ckptkit.inspect_checkpoint(fixtures_dir / "fsdp2_dcp_dim1").loaded_with_torch  # dim 1 too
 
 
 def test_fsdp2_folder_into_hugging_face_shards_without_torch(fixtures_dir: Path, tmp_path: Path) -> None:
@@ -368,3 +428,81 @@ def test_a_chunk_at_a_negative_offset_or_of_no_length_fails_verify_as_the_reader
         ckptkit.read_checkpoint(folder)
     result = CliRunner().invoke(main, ["convert", str(folder), str(tmp_path / "out.safetensors")])
     assert result.exit_code == 1 and not (tmp_path / "out.safetensors").exists(), result.output
+
+
+def _save_on_a_2x2_mesh(rank: int, world: int, folder: str) -> None:
+    """Weights laid out as 2-D parallelism lays them: a 2x2 mesh, each weight sharded along both
+    dims (Shard(0) x Shard(1), uneven edges), a bias along dim 0 only, one replicated."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = _mesh_weights()
+    state = {
+        "attn.o_proj.weight": distribute_tensor(full["attn.o_proj.weight"], mesh, [Shard(0), Shard(1)]),
+        "mlp.down_proj.weight": distribute_tensor(full["mlp.down_proj.weight"], mesh, [Shard(1), Shard(0)]),
+        "mlp.down_proj.bias": distribute_tensor(full["mlp.down_proj.bias"], mesh, [Shard(0), Replicate()]),
+        "norm.weight": distribute_tensor(full["norm.weight"], mesh, [Replicate(), Replicate()]),
+    }
+    dcp.save(state, checkpoint_id=folder)
+
+
+def _mesh_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "attn.o_proj.weight": torch.randn(7, 9, generator=g),
+        "mlp.down_proj.weight": torch.randn(6, 11, generator=g).to(torch.bfloat16),
+        "mlp.down_proj.bias": torch.randn(5, generator=g),
+        "norm.weight": torch.randn(3, generator=g),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", "/"])
+def test_a_2d_mesh_checkpoint_converts_exactly_without_torch(tmp_path: Path, suffix: str) -> None:
+    from tests.group import ok_values, run_group
+
+    folder = tmp_path / "mesh.dcp"
+    ok_values(run_group(_save_on_a_2x2_mesh, 4, tmp_path, str(folder), timeout=120))
+    out = tmp_path / ("out" + suffix if suffix != "/" else "hf")
+    proc, imported_torch = _convert_in_subprocess(str(folder), str(out) + ("/" if suffix == "/" else ""))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["fast"] is True and not imported_torch, report
+    got, want = ckptkit.read_checkpoint(out), _mesh_weights()
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert ckptkit.verify_checkpoint(out).ok
+
+
+@pytest.mark.parametrize("band", [8 << 20, 16, 100])  # whole bands; stretches beyond a band; bands that cut stretches
+def test_interleaved_chunks_copy_exactly_in_any_band(
+    fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, band: int
+) -> None:
+    from ckptkit.formats.dcp import stream
+
+    monkeypatch.setattr(stream, "BAND", band)
+    ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp_dim1", tmp_path / "out.safetensors")
+    _assert_same(
+        _read(tmp_path / "out.safetensors"), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True)
+    )
+
+
+def test_a_flipped_bit_in_an_interleaved_chunk_fails_convert_naming_it(fixtures_dir: Path, tmp_path: Path) -> None:
+    from ckptkit.formats.dcp.stream import open_dcp
+
+    folder = tmp_path / "dim1.dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp_dim1", folder)
+    src = open_dcp(folder)
+    weight = src.obj["mlp"]["0"]["weight"] if "mlp" in src.obj else src.obj["mlp.0.weight"]
+    assert weight.runs is not None
+    piece = weight.pieces[1]
+    src.close()
+    data = bytearray((folder / piece.file).read_bytes())
+    data[piece.offset + 5] ^= 0x10
+    (folder / piece.file).write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match=r"mlp\.0\.weight"):
+        ckptkit.convert_checkpoint(folder, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()

@@ -10,8 +10,8 @@ becomes the plain records below. A global outside those classes raises
 :class:`~ckptkit.formats.pickles.reader.UnsupportedGlobal`; a structure this reader does not model raises
 :class:`~..source.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
 Two rules on those records live here too: where a key goes in the nested state dict
-(:func:`set_element`, as torch's reader places it) and how a tensor's chunks tile it along dim 0
-(:func:`chunks_in_order`).
+(:func:`set_element`, as torch's reader places it) and how a tensor's chunks tile it, along any
+dims (:func:`chunks_in_order`).
 
 Example:
     >>> meta = read_metadata("fixtures/fsdp2_dcp")  # doctest: +SKIP
@@ -21,7 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import os
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,22 +255,36 @@ def set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -
         raise NeedsTorch(f"planner_data path {list(path)} does not nest") from e
 
 
-def chunks_in_order(folder: Path, e: TensorEntry) -> list[Chunk]:
-    """The chunks with bytes, in offset order, after checking that they tile the tensor along dim 0."""
+def chunks_in_order(folder: Path, e: TensorEntry, *, unit: int = 1) -> tuple[list[Chunk], array[int] | None]:
+    """The chunks with bytes, and how they tile the tensor.
+
+    Split along dim 0 only (FSDP's rows), the chunks in offset order are the tensor's bytes one
+    after another: runs is None. Split along other dims too (tensor parallelism's columns, a 2-D
+    mesh), each chunk is a box whose rows interleave with its neighbours': runs lists, in the
+    tensor's row-major order, each stretch that is contiguous in both, as ``(chunk index, start
+    in the chunk, length)`` triples, flat (one array: a large tensor has many), counted in elements
+    of ``unit`` bytes (the dtype's size: bytes; 1: elements).
+
+    Raises:
+        CheckpointFormatError: a chunk outside the tensor, or chunks that overlap or leave a gap.
+    """
     rank = len(e.shape)
     for c in e.chunks:
         if len(c.offsets) != rank or len(c.sizes) != rank:
             raise CheckpointFormatError(
                 f"{folder}: a chunk of tensor {e.fqn} has {len(c.sizes)} dims, the tensor {rank}"
             )
-        split = [d for d in range(1, rank) if c.offsets[d] != 0 or c.sizes[d] != e.shape[d]]
-        if split:
-            raise NeedsTorch(f"tensor {e.fqn} is split along dim {split[0]}")
+        if any(o + n > d for o, n, d in zip(c.offsets, c.sizes, e.shape, strict=True)):
+            raise CheckpointFormatError(
+                f"{folder}: tensor {e.fqn} is {list(e.shape)} but has a chunk of {list(c.sizes)} at {list(c.offsets)}"
+            )
     if rank == 0:
         if len(e.chunks) != 1:
             raise CheckpointFormatError(f"{folder}: scalar tensor {e.fqn} has {len(e.chunks)} chunks, expected 1")
-        return list(e.chunks)
-    chunks = sorted((c for c in e.chunks if 0 not in c.sizes), key=lambda c: c.offsets[0])  # chunks with bytes
+        return list(e.chunks), None
+    chunks = sorted((c for c in e.chunks if 0 not in c.sizes), key=lambda c: c.offsets)  # chunks with bytes
+    if any(c.offsets[d] != 0 or c.sizes[d] != e.shape[d] for c in chunks for d in range(1, rank)):
+        return chunks, _runs(folder, e, chunks, unit)
     at = 0
     for c in chunks:
         if c.offsets[0] != at:
@@ -284,4 +302,53 @@ def chunks_in_order(folder: Path, e: TensorEntry) -> list[Chunk]:
         raise CheckpointFormatError(
             f"{folder}: the chunks of tensor {e.fqn} cover rows 0..{at - 1} of {e.shape[0]}; each row must be in exactly one chunk"
         )
-    return chunks
+    return chunks, None
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return strides[::-1]
+
+
+def _runs(folder: Path, e: TensorEntry, chunks: list[Chunk], unit: int) -> array[int]:
+    """The stretches of :func:`chunks_in_order`, checked to cover the tensor once."""
+    rank, strides = len(e.shape), _strides(e.shape)
+    lengths, each = [], []
+    for i, c in enumerate(chunks):
+        full = rank  # the dims from ``full`` on are the tensor's whole: a stretch spans them
+        while full > 0 and c.offsets[full - 1] == 0 and c.sizes[full - 1] == e.shape[full - 1]:
+            full -= 1
+        inner = max(full - 1, 0)  # the dim a stretch runs along (part of it); 0 for a chunk that is the whole tensor
+        lengths.append(c.sizes[inner] * strides[inner] if full else math.prod(e.shape))
+        chunk_strides = _strides(c.sizes)
+        # where each stretch starts in the tensor and in the chunk: sums over the dims above ``inner``,
+        # in increasing order (itertools.product is lexicographic), so the chunks' lists merge
+        outside = [[(c.offsets[d] + k) * strides[d] for k in range(c.sizes[d])] for d in range(inner)]
+        within = [[k * chunk_strides[d] for k in range(c.sizes[d])] for d in range(inner)]
+        base = c.offsets[inner] * strides[inner] if full else 0
+        each.append(
+            zip(
+                map(base.__add__, map(sum, itertools.product(*outside))),  # base bound now, not when merged
+                itertools.repeat(i),
+                map(sum, itertools.product(*within)),
+                strict=False,
+            )
+        )
+    runs, at = array("q"), 0
+    for start, i, begin in heapq.merge(*each):
+        if start != at:
+            what = f"overlap at element {start}" if start < at else f"leave elements {at}..{start - 1} uncovered"
+            raise CheckpointFormatError(
+                f"{folder}: the chunks of tensor {e.fqn} ({list(e.shape)}) {what}; each element must be in exactly one chunk"
+            )
+        runs.extend((i, begin * unit, lengths[i] * unit))
+        at += lengths[i]
+    if at != math.prod(e.shape):
+        raise CheckpointFormatError(
+            f"{folder}: the chunks of tensor {e.fqn} cover {at} of its {math.prod(e.shape)} elements; "
+            "each element must be in exactly one chunk"
+        )
+    return runs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ...errors import CheckpointFormatError, summarize
 from ...io.crcmath import crc32_combine
-from ...io.fileio import Progress, copy_range, crc_of_range
+from ...io.fileio import Progress, copy_range, crc32, crc_of_range, write_checked
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Check, Damage
@@ -63,9 +64,10 @@ class DcpTensor(Entry):
     fqn: str
     dtype: str
     shape: tuple[int, ...]
-    find: Callable[[], tuple[Piece, ...]] = field(repr=False)
+    find: Callable[[], tuple[tuple[Piece, ...], array[int] | None]] = field(repr=False)
     src: DcpSource = field(repr=False)
     _found: tuple[Piece, ...] | None = field(default=None, repr=False)
+    _runs: array[int] | None = field(default=None, repr=False)
     zip = None
     complete = True
 
@@ -90,15 +92,25 @@ class DcpTensor(Entry):
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
+        """Its chunks' bytes, whole, in offset order."""
         if self._found is None:
-            self._found = self.find()
+            self._found, self._runs = self.find()
         return self._found
+
+    @property
+    def runs(self) -> array[int] | None:
+        """Where its chunks interleave (split along a dim other than 0): ``(piece, start, length)``
+        byte triples in the tensor's order (:func:`~.meta.chunks_in_order`); None: the pieces
+        follow one another."""
+        self.pieces  # noqa: B018 - found with them
+        return self._runs
 
     @property
     def crc(self) -> int | None:  # type: ignore[override]
         """The CRC-32 its bytes have where each chunk's match the CRC-32 its zip records; None
-        until its pieces are found (a writer does not wait for them)."""
-        if self._found is None:
+        until its pieces are found (a writer does not wait for them), or where its chunks
+        interleave (then it is known once copied)."""
+        if self._found is None or self._runs is not None:
             return None
         crc = 0
         for p in self._found:
@@ -141,11 +153,63 @@ class DcpSource(EntryView):
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its
         recorded CRC-32 goes to :attr:`damage` (raised once everything was read)."""
         crc = 0
-        for p in t.pieces:
-            read = copy_range(self.files[p.file], dst, p.offset, p.length, progress, crc=True)
-            self.damage.check((t.fqn, p), p.crc, read)
-            crc = crc32_combine(crc, read, p.length)
+        pieces, runs = t.pieces, t.runs
+        if runs is None:
+            for p in pieces:
+                read = copy_range(self.files[p.file], dst, p.offset, p.length, progress, crc=True)
+                self.damage.check((t.fqn, p), p.crc, read)
+                crc = crc32_combine(crc, read, p.length)
+            return crc
+        # Each chunk's stretches come in its own order (a box read row by row), so its CRC-32 builds
+        # up as they pass. The output goes in bands of at most BAND bytes: each chunk's share of a band
+        # is one read, and the band is assembled in memory and written once.
+        chunk_crcs = [0] * len(pieces)
+        i, n = 0, len(runs)
+        while i < n:
+            j, size = i, 0
+            while j < n and (j == i or size + runs[j + 2] <= BAND):
+                size, j = size + runs[j + 2], j + 3
+            if size > BAND:  # one stretch beyond the band: copied as it is, in the kernel
+                k, start, length = runs[i], runs[i + 1], runs[i + 2]
+                p = pieces[k]
+                read = copy_range(self.files[p.file], dst, p.offset + start, length, progress, crc=True)
+                chunk_crcs[k] = crc32_combine(chunk_crcs[k], read, length)
+                crc = crc32_combine(crc, read, length)
+                i = j
+                continue
+            spans: dict[int, list[int]] = {}  # chunk -> [first byte, end] of its stretches in this band
+            for r in range(i, j, 3):
+                span = spans.setdefault(runs[r], [runs[r + 1], runs[r + 1]])
+                span[1] = runs[r + 1] + runs[r + 2]  # a chunk's stretches follow one another in it
+            read_in = {}
+            for k, (lo, hi) in spans.items():
+                data = _read_at(self.files[pieces[k].file], pieces[k].offset + lo, hi - lo, pieces[k].where)
+                chunk_crcs[k] = crc32_combine(chunk_crcs[k], crc32(data), hi - lo)
+                read_in[k] = memoryview(data)
+            band = b"".join(
+                [
+                    read_in[runs[r]][runs[r + 1] - spans[runs[r]][0] : runs[r + 1] - spans[runs[r]][0] + runs[r + 2]]
+                    for r in range(i, j, 3)
+                ]
+            )
+            crc = crc32_combine(crc, write_checked(dst, band, progress), size)
+            i = j
+        for p, got in zip(pieces, chunk_crcs, strict=True):
+            self.damage.check((t.fqn, p), p.crc, got)
         return crc
+
+
+BAND = 8 << 20  # bytes of an interleaved tensor assembled at once: memory holds this, never a tensor
+
+
+def _read_at(f: BinaryIO, offset: int, length: int, where: str) -> bytes:
+    data = os.pread(f.fileno(), length, offset)
+    while len(data) < length:  # a short read: the file shrank under us
+        more = os.pread(f.fileno(), length - len(data), offset + len(data))
+        if not more:
+            raise CheckpointFormatError(f"{where}: the file ends before the chunk does (truncated while read?)")
+        data += more
+    return data
 
 
 def is_leaf(value: Any) -> bool:
@@ -247,9 +311,10 @@ def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
         raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
 
 
-def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[Piece, ...]:
+def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[tuple[Piece, ...], array[int] | None]:
     pieces = []
-    for c in chunks_in_order(src.folder, e):
+    chunks, runs = chunks_in_order(src.folder, e, unit=BY_NAME[e.dtype].itemsize)  # in bytes
+    for c in chunks:
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
         z, view = _zip(src, c.stored, f"tensor {e.fqn}: {what}")
         t = _chunk_tensor(src, z, e, c, what, seen)
@@ -259,7 +324,7 @@ def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[Piece, ...]:
                 f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}"
             )
         pieces.append(Piece(c.stored.file, view.start + rec.data_offset, rec.size, rec.crc, what))
-    return tuple(pieces)
+    return tuple(pieces), runs
 
 
 def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: str, seen: _Seen) -> lp.TensorRef:
