@@ -347,3 +347,28 @@ def test_open_latest_skips_a_torn_file_and_says_none_for_an_empty_folder(tmp_pat
     (tmp_path / "latest").write_text("step_000000002.pt\n")
     with folder.open_latest() as path:
         assert path is not None and _step_in(path) == 1
+
+
+def test_every_reader_opens_a_checkpoints_folder_and_its_latest_as_the_checkpoint_named(tmp_path: Path) -> None:
+    """`inspect runs/demo/checkpoints/` failed with a list of formats; `inspect .../latest` hex-dumped the pointer."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli import main
+
+    folder = ckptkit.CheckpointFolder(tmp_path / "checkpoints", keep=2)
+    for step in (1, 2):
+        path = folder.path_for(step)
+        ckptkit.save_on_master({"model": {"w": torch.full((2,), float(step))}, "step": step}, path)
+        folder.commit(path)
+    for given in (tmp_path / "checkpoints", tmp_path / "checkpoints" / "latest"):
+        assert ckptkit.read_checkpoint(given)["step"] == 2
+        assert ckptkit.load_for_rank(given)["step"] == 2
+        assert ckptkit.verify_checkpoint(given).ok
+        assert ckptkit.inspect_checkpoint(given).path.endswith(Path(str(folder.path_for(2))).name)
+        result = CliRunner().invoke(
+            main, ["convert", str(given), str(tmp_path / "w.safetensors"), "--model-only", "--force"]
+        )
+        assert result.exit_code == 0, result.output
+        assert torch.equal(ckptkit.read_checkpoint(tmp_path / "w.safetensors")["w"], torch.full((2,), 2.0))
+        said = CliRunner().invoke(main, ["inspect", str(given)])
+        assert said.exit_code == 0 and "Weights at 'model'" in said.stdout, said.output

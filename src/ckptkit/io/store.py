@@ -26,6 +26,18 @@ from ..errors import CheckpointNotFoundError, CkptkitError
 from . import remote, upload
 from .atomic import atomic_write, remove_stale_temps, temp_path
 
+# A checkpoints folder's pointer (CheckpointFolder writes it): a small file naming the newest
+# committed checkpoint beside it. DeepSpeed's ``latest`` names a tag folder instead: not followed.
+POINTER = "latest"
+_POINTER_BYTES = 4096  # a name, not a checkpoint: anything larger is no pointer
+
+
+def _pointed_name(data: bytes | None) -> str | None:
+    if data is None or len(data) > _POINTER_BYTES:
+        return None
+    name = data.decode(errors="replace").strip()
+    return name if name and "/" not in name and "\\" not in name and name not in (".", "..") else None
+
 
 class Local:
     """A path on this machine."""
@@ -102,6 +114,17 @@ class Local:
 
     def child(self, name: str) -> Local:
         return Local(self.path / name)
+
+    def pointed(self) -> Local:
+        """A checkpoints folder, or its ``latest`` pointer, as the file the pointer names (where
+        that is a file beside it); anything else as it is."""
+        pointer = self.path if self.path.name == POINTER else self.path / POINTER
+        try:
+            name = _pointed_name(pointer.read_bytes()) if pointer.is_file() else None
+            target = pointer.parent / name if name else None
+            return Local(target) if target is not None and target.is_file() else self
+        except OSError:  # a name too long for a file (another tool's pointer): the format's readers say so
+            return self
 
     def holds(self, other: Location) -> bool:
         """Whether ``other`` is directly in this folder."""
@@ -183,6 +206,16 @@ class Remote:
 
     def child(self, name: str) -> Remote:
         return Remote(remote.join(self.spelled, name))
+
+    def pointed(self) -> Remote:
+        """As :meth:`Local.pointed`: a prefix or its ``latest`` object as the object it names."""
+        folder = self.spelled.rsplit("/", 1)[0] if self.name == POINTER else self.spelled.rstrip("/")
+        try:
+            name = _pointed_name(remote.read_small(remote.join(folder, POINTER)))
+            target = Remote(remote.join(folder, name)) if name else None
+            return target if target is not None and target.is_file() else self
+        except CkptkitError:  # no fsspec, no credentials, no store: reading the URL itself says which
+            return self
 
     def holds(self, other: Location) -> bool:
         return isinstance(other, Remote) and other.spelled.rsplit("/", 1)[0] == self.spelled

@@ -168,7 +168,7 @@ def convert_checkpoint(
         >>> convert_checkpoint("s3://bucket/ddp.pt", "single.pt")  # doctest: +SKIP
     """
     options = {k: v for k, v in locals().items() if k not in ("src", "dst")}  # every option as given
-    return staged_convert(locate(src), locate(dst), _convert, **options)
+    return staged_convert(locate(src).pointed(), locate(dst), _convert, **options)
 
 
 def _convert(

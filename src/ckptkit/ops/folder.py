@@ -13,7 +13,7 @@ from pathlib import Path
 from ..distributed import collectives as _dist
 from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, CheckpointWriteError, CkptkitError
 from ..io import lease as _lease
-from ..io.store import Location, locate
+from ..io.store import POINTER, Location, locate
 from .save import rebuild_error
 from .verify import verify_checkpoint
 
@@ -54,7 +54,7 @@ class CheckpointFolder:
         >>> save_training_state(path, model=ddp, ...); ckpts.commit(path)  # doctest: +SKIP
     """
 
-    POINTER = "latest"
+    POINTER = POINTER  # the one name, kept in io.store (every reader follows it)
 
     def __init__(self, folder: str | os.PathLike[str], *, keep: int | None = 3, suffix: str = ".pt") -> None:
         if keep is not None and keep < 1:

@@ -152,7 +152,9 @@ def inspect_checkpoint(
         >>> s.prefixes["leading"], len(s.tensors)  # doctest: +SKIP
         (['module.'], 7)
     """
-    where = locate(path)  # an object's URL is staged in a local file, described under its URL
+    where = locate(
+        path
+    ).pointed()  # a checkpoints folder or its latest: the checkpoint it names; an object's URL is staged in a local file, described under its URL
     with where.reading() as local:
         summary = _inspect(local, key=key, trust=trust, allow_globals=allow_globals)
     summary.path = where.spell(summary.path, local)

@@ -57,7 +57,7 @@ def read_checkpoint(
         >>> sorted(ckpt)  # doctest: +SKIP
         ['best_loss', 'epoch', 'model', 'optimizer', 'scheduler', 'step']
     """
-    where = locate(path)
+    where = locate(path).pointed()  # a checkpoints folder or its latest: the checkpoint it names
     with where.reading() as local:
         if note := shard_note(Path(local)):  # one shard alone loads as a partial model: say so
             warnings.warn(where.spell(note, local), stacklevel=2)

@@ -110,7 +110,7 @@ def verify_checkpoint(
         >>> verify_checkpoint("fixtures/ddp.pt").ok  # doctest: +SKIP
         True
     """
-    where = locate(path)
+    where = locate(path).pointed()  # a checkpoints folder or its latest: the checkpoint it names
     with contextlib.ExitStack() as stack:
         try:
             local = stack.enter_context(where.reading())
