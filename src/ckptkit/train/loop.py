@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, *, model: Any = None, data: tuple[Any, Any] | None =
         log.event("resumed", **resumed)
         if run.schedule.horizon <= run.step:
             log.note(
-                f"this run already finished ({cfg.epochs} epochs, step {run.step}); pass --epochs N with N > {cfg.epochs} "
+                f"this run already finished ({cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}, step {run.step}); pass --epochs N with N > {cfg.epochs} "
                 f"to train on from here, or --out NEW to start another"
             )
     log.start_bar(total=run.schedule.horizon, done=run.step)
