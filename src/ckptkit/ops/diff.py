@@ -49,17 +49,18 @@ class DiffReport:
         return {**asdict(self), "equal": self.equal}
 
 
-def _weights(
-    path: str, key: str | None, trust: bool, allow_globals: AllowGlobals, option: str, notes: list[str]
-) -> Any:
-    """The model weights as a plain model names them, unwrapped as convert unwraps them (an
-    averaging wrapper's count set aside, and said so in ``notes``)."""
+def _weights(path: str, key: str | None, trust: bool, allow_globals: AllowGlobals, option: str) -> Any:
     from .read import read_checkpoint  # deferred: diff is reached from the CLI, which starts without torch
 
     obj = read_checkpoint(path, map_location="cpu", trust=trust, allow_globals=allow_globals)
-    state = find_model_state(obj, key=key, source=path, option=option)[1]
+    return find_model_state(obj, key=key, source=path, option=option)[1]
+
+
+def _unwrapped(path: str, state: Any, other: Any, notes: list[str]) -> Any:
+    """The weights as a plain model names them. An averaging wrapper's count is set aside (and
+    said so) where the other side has none, as convert unwraps it; two averages compare counts."""
     count = averaged_count(state)
-    if count is not None:
+    if count is not None and averaged_count(other) != count:
         notes.append(f"{path}: {count} ({AVERAGED_COUNTS[count]}) set aside: a plain model has no such buffer")
         state = without_averaged_count(state)
     return rewrite_prefixes(state, to="single")
@@ -117,8 +118,8 @@ def diff_checkpoints(
     pa, pb = os.fspath(a), os.fspath(b)
     report = DiffReport(pa, pb, atol=atol, rtol=rtol)
     report.notes = [note for p in (pa, pb) if os.path.isfile(p) and (note := shard_note(Path(p)))]
-    wa = _weights(pa, key_a, trust, allow_globals, "key_a", report.notes)
-    wb = _weights(pb, key_b, trust, allow_globals, "key_b", report.notes)
+    sa, sb = _weights(pa, key_a, trust, allow_globals, "key_a"), _weights(pb, key_b, trust, allow_globals, "key_b")
+    wa, wb = _unwrapped(pa, sa, sb, report.notes), _unwrapped(pb, sb, sa, report.notes)
     report.only_in_a = [k for k in wa if k not in wb]
     report.only_in_b = [k for k in wb if k not in wa]
     pairs = [(name, x, wb[name]) for name, x in wa.items() if name in wb]
