@@ -120,7 +120,7 @@ def test_rerunning_a_finished_run_says_how_to_train_on(tmp_path: Path) -> None:
     for _ in range(2):
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-    assert "note: this run already finished (1 epochs" in proc.stdout and "pass --epochs N with N > 1" in proc.stdout
+    assert "note: this run already finished (1 epoch" in proc.stdout and "pass --epochs N with N > 1" in proc.stdout
 
 
 def _workers_started(pid: int) -> bool:

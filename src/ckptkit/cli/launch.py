@@ -7,6 +7,9 @@ session, so it gets nothing else): they stop together at the next step and save,
 still starting up just ends (SIGTERM, unlike SIGINT, leaves no traceback from an import). The
 command then says, in one line, where the run stopped and exits 0, or 130 when nothing could be
 saved. Options are checked before a worker starts: a typo costs one line and creates nothing.
+A worker that fails records its error (:mod:`ckptkit.train.failure`) and prints nothing; the
+command tells the first one, with its rank, in one line (``ckptkit --debug train`` lets the
+workers print their tracebacks too).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import click
 
 from ckptkit.errors import ArgumentError
 from ckptkit.train import TrainConfig, build_parser, check_environment, log_folder, parse_args, run_path
+from ckptkit.train import failure as worker_failure
 
 from .base import Stopped, handle_errors, main, signals_deferred
 
@@ -112,10 +116,13 @@ def train(
         )
     if nnodes == "1" and not (master_addr or rdzv_endpoint):
         launcher.append("--standalone")  # one node: a free port, no address to configure
-    _run_torchrun(launcher, list(trainer_args), cfg, shutdown_timeout)
+    debug = bool(click.get_current_context().find_root().params.get("debug"))
+    _run_torchrun(launcher, list(trainer_args), cfg, shutdown_timeout, debug=debug)
 
 
-def _run_torchrun(launcher: list[str], trainer_args: list[str], cfg: TrainConfig, shutdown_timeout: int) -> NoReturn:
+def _run_torchrun(
+    launcher: list[str], trainer_args: list[str], cfg: TrainConfig, shutdown_timeout: int, *, debug: bool
+) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -130,10 +137,13 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], cfg: TrainConfig
         # and the agent's shutdown sends SIGTERM.
         launcher = [*launcher, "--signals-to-handle", "SIGQUIT"]
     # The trainer logs what matters; the agent's warnings ("Received SIGINT death signal...",
-    # the OMP_NUM_THREADS banner) would only repeat it. torch sets each logger's level itself.
+    # the OMP_NUM_THREADS banner) would only repeat it, and so would its error line about a
+    # failed worker, which this command tells itself. torch sets each logger's level itself.
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.ERROR if debug else logging.CRITICAL)
+    if not debug:
+        os.environ[worker_failure.QUIET] = "1"  # the workers inherit it from the agent, which runs here
     started = time.time()
     sys.stdout.flush()
     try:
@@ -147,7 +157,7 @@ def _run_torchrun(launcher: list[str], trainer_args: list[str], cfg: TrainConfig
         except Stopped as e:
             code, message = _stopped(signal.Signals(e.signum).name, cfg, started)
         except ChildFailedError as e:
-            code, message = _failed(e)
+            code, message = _failed(e, debug=debug)
     finally:
         _end_workers(shutdown_timeout)
     # An agent interrupted while it started the workers can leave this interpreter unable to
@@ -179,13 +189,26 @@ def _stopped(name: str, cfg: TrainConfig, started: float) -> tuple[int, str]:
     return 130, f"ckptkit: error: stopped by {name}; nothing was saved (the run had not reached its first save)"
 
 
-def _failed(e: Exception) -> tuple[int, str | None]:
+def _failed(e: Exception, *, debug: bool = False) -> tuple[int, str]:
+    """The first cause of a failed run, in one line, and the exit code.
+
+    Once one worker fails, the agent sends the others SIGTERM, and they fail in turn (killed,
+    or a collective losing its peer): so the cause is the error recorded first, not the last
+    failure seen. Without a record (a worker killed by the kernel, or ended by ``os._exit``), a
+    signal other than the agent's SIGTERM, or an exit code, names the rank it ended.
+    """
     failures = getattr(e, "failures", {}) or {}
-    # 1 and 2: the trainer said why in one line (or Python printed the traceback of a bug).
-    died = {rank: f.exitcode for rank, f in failures.items() if f.exitcode not in (1, 2)}
-    if not died:
-        return 1, None
-    rank, code = min(died.items())
+    told = [(f.time, rank, f) for rank, p in failures.items() if (f := worker_failure.read(p.error_file)) is not None]
+    if told:
+        _, rank, first = min(told, key=lambda t: (t[0], t[1]))
+        # A ckptkit error says its fix; for any other, the traceback is where the fix starts.
+        hint = "" if first.expected or debug else "; ckptkit --debug train ... shows its traceback"
+        return first.exit_code, f"ckptkit: error: rank {rank}: {first.line}{hint}"
+    ended = {rank: p.exitcode for rank, p in failures.items()}
+    own = {rank: code for rank, code in ended.items() if code != -signal.SIGTERM} or ended
+    if not own:
+        return 1, "ckptkit: error: training failed"
+    rank, code = min(own.items())
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
     return 1, f"ckptkit: error: training failed: rank {rank} {how}"
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 import sys
 
-from ckptkit.errors import ArgumentError, CkptkitError
+from ckptkit.errors import CkptkitError
 
+from . import failure
 from .config import TrainConfig, build_parser, check, check_environment, flags_spelled, log_folder, parse_args, run_path
 from .loop import train
 from .task import default_data, default_model
@@ -49,12 +50,19 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns 0 when it finished, or saved and stopped on a signal; 2 for a usage error and 1
     for any other ckptkit error, each told in one line by rank 0 (the others fail the same way).
+    Under torchrun every error, a ckptkit one or not, is also recorded for the agent
+    (:mod:`.failure`); under ``ckptkit train``, which tells the first of them, nothing is printed.
     """
     try:
         with flags_spelled():
             result = train(parse_args(argv))
-    except CkptkitError as e:
+    except Exception as e:
+        failure.record(e)
+        if os.environ.get(failure.QUIET):
+            return failure.exit_code(e)
+        if not isinstance(e, CkptkitError):
+            raise  # a bug, here or in the user's code: its traceback is what helps
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # srun's tasks, before they join
             print(f"ckptkit.train: error: {e}", file=sys.stderr, flush=True)
-        return 2 if isinstance(e, ArgumentError) else 1
+        return failure.exit_code(e)
     return 0 if result["status"] in ("done", "preempted") else 1

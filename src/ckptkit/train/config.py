@@ -16,12 +16,13 @@ import contextlib
 import contextvars
 import importlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ckptkit.errors import ArgumentError, CheckpointNotFoundError, ClassNotFoundError
+from ckptkit.errors import ArgumentError, CheckpointNotFoundError, CheckpointWriteError, ClassNotFoundError
 
 
 def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, shown: str | None = None) -> Any:
@@ -182,10 +183,17 @@ def check_environment(cfg: TrainConfig) -> None:
     """Refuse what this machine or folder cannot provide, before anything starts.
 
     Raises:
+        CheckpointWriteError: ``--out`` or ``--log-dir`` is a file, or no folder can be made there.
         CheckpointNotFoundError: ``--resume PATH`` does not exist.
         ClassNotFoundError: ``--model``/``--data`` cannot be imported.
         ArgumentError: ``--sync-bn`` or ``--backend nccl`` without CUDA.
     """
+    # Rank 0 makes these folders once the workers have joined: there, a file in the way was a
+    # traceback, and the other ranks' ends ("killed by SIGTERM") the line the user read.
+    if not remote(cfg.out):
+        _check_folder("--out", Path(cfg.out), "checkpoints/, metrics.jsonl and model.safetensors", below="checkpoints")
+    if cfg.log_dir and not remote(cfg.log_dir):
+        _check_folder("--log-dir", Path(cfg.log_dir), "metrics.jsonl")
     if cfg.resume not in ("auto", "none") and not remote(cfg.resume) and not os.path.exists(cfg.resume):
         raise CheckpointNotFoundError(
             f"--resume {cfg.resume}: no such checkpoint (auto picks the newest in --out)", filename=cfg.resume
@@ -203,6 +211,44 @@ def check_environment(cfg: TrainConfig) -> None:
             )
 
 
+def _check_folder(flag: str, folder: Path, holds: str, *, below: str = "") -> None:
+    """Refuse a run's folder that the workers could not make or write in, naming what is in the way.
+
+    Raises:
+        CheckpointWriteError: a file stands at ``folder``, above it, or at ``folder/below``, or
+            the nearest folder that exists cannot be written.
+    """
+    above = (folder, *folder.parents)
+    blocker = next((p for p in ((folder / below,) if below else ()) + above if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        if blocker == folder:
+            what = "a file is there"
+        elif blocker in above:
+            what = f"{blocker} is a file, so no folder can be made in it"
+        else:
+            what = f"{blocker} is a file, where the run keeps its {below} folder"
+        # The suggestion renames the part that is a file, so that the whole path can be folders.
+        fixed = _free(blocker) / folder.relative_to(blocker) if blocker in above else _free(folder)
+        raise CheckpointWriteError(
+            f"{flag} {folder}: {what}; {flag} names the folder for {holds}: pass another, e.g. {flag} {fixed}"
+        )
+    made = next(p for p in above if p.exists())  # "." at the latest, for a relative path
+    if not os.access(made, os.W_OK | os.X_OK):
+        raise CheckpointWriteError(
+            f"{flag} {folder}: {made} is not writable by this user, so the run's files cannot be made there; "
+            f"pass a folder you can write in, e.g. {flag} {Path.home() / 'runs' / folder.name}"
+        )
+
+
+def _free(path: Path) -> Path:
+    """``path`` renamed so that nothing exists there: ``run`` -> ``run-run``, ``model.pt`` -> ``model-run``."""
+    for n in range(1, 1000):
+        candidate = path.with_name(f"{path.stem}-run{n if n > 1 else ''}")
+        if not candidate.exists():
+            return candidate
+    return path.with_name(f"{path.stem}-run-{os.getpid()}")
+
+
 def resolve(spec: str, flag: str) -> Any:
     """The callable ``pkg.module:factory`` names (not called).
 
@@ -214,8 +260,32 @@ def resolve(spec: str, flag: str) -> Any:
     if not module or not name:
         raise ArgumentError(f"{flag} {spec}: expected pkg.module:factory")
     try:
-        return getattr(importlib.import_module(module), name)
+        return getattr(_import(module), name)
     except (ImportError, AttributeError) as e:
         raise ClassNotFoundError(
-            f"{flag} {spec}: cannot import it ({type(e).__name__}: {e}); is the package on PYTHONPATH?"
+            f"{flag} {spec}: cannot import it ({type(e).__name__}: {e}); is the package in the current folder "
+            "or on PYTHONPATH?"
         ) from e
+
+
+def _import(module: str) -> Any:
+    """Import ``module``, finding it in the current folder as ``python -m`` does.
+
+    The workers run as ``python -m ckptkit.train``, so ``sys.path`` starts with the current
+    folder there; the ``ckptkit`` command is a script, whose ``sys.path`` starts with the folder
+    it is installed in. Without the same search here, ``ckptkit train --model mypkg.nets:make``
+    refused a ``mypkg/`` in the current folder that every worker would have imported.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        searched = any(os.path.abspath(p or os.curdir) == here for p in sys.path if isinstance(p, str))
+        if e.name != module.partition(".")[0] or searched:
+            raise
+    sys.path.insert(0, here)
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        sys.path.remove(here)  # found nowhere: leave the search path as it was
+        raise
