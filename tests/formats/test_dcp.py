@@ -350,3 +350,48 @@ def test_in_memory_pickles_read_frames_as_the_c_unpickler_does(case: str) -> Non
             torchpickle.loads(data, unpickler=plain)
     else:
         assert torchpickle.loads(data, unpickler=plain) == expected
+
+
+# -- DCP output on a full disk (issue 33) ----------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 1 MiB tmpfs: a real full disk, where writes fail with ENOSPC."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip() or 'mount failed'}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("model_only", [False, True])
+def test_dcp_output_on_a_full_disk_names_the_full_device(tmp_path: Path, small_disk: Path, model_only: bool) -> None:
+    """It exited 2 blaming the checkpoint ("torch.distributed.checkpoint cannot save this checkpoint
+    (RuntimeError: [enforce fail at inline_container.cc ...]); --model-only writes the weights alone"):
+    torch.save inside DCP's writer hides the ENOSPC. The cause is the disk, exit 1, nothing left behind."""
+    src = tmp_path / "src.pt"
+    torch.save({"model": {"w": torch.ones(1 << 20), "b": torch.zeros(3)}, "epoch": 3}, src)  # 4 MiB
+    dst = small_disk / "out_dcp"
+    cmd = [sys.executable, "-m", "ckptkit.cli", "convert", str(src), str(dst), "--format", "dcp"]
+    proc = subprocess.run(cmd + ["--model-only"] * model_only, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"ckptkit: error: cannot write {dst}: no space left on the device holding {small_disk}; "
+        "free space or save elsewhere"
+    ]
+    assert list(small_disk.iterdir()) == []
+
+
+def test_dcp_output_on_a_full_disk_raises_a_write_error_from_the_library(tmp_path: Path, small_disk: Path) -> None:
+    from ckptkit.errors import CheckpointWriteError
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(1 << 20)}, src)
+    with pytest.raises(CheckpointWriteError, match=f"no space left on the device holding {re.escape(str(small_disk))}"):
+        convert_checkpoint(src, small_disk / "out_dcp", format="dcp")
+    assert list(small_disk.iterdir()) == []

@@ -7,6 +7,7 @@ The fixtures (``fixtures/deepspeed/``, see its ABOUT.json) are real DeepSpeed 0.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -232,6 +233,61 @@ def test_latest_naming_a_missing_tag(tmp_path: Path) -> None:
     (tmp_path / "z" / "latest").write_text("global_step9")
     with pytest.raises(CheckpointFormatError, match="global_step9.*global_step3"):
         detect(tmp_path / "z")
+
+
+@pytest.mark.parametrize("layout", ["a ZeRO folder", "latest alone"])
+@pytest.mark.parametrize("call", ["read_checkpoint", "inspect_checkpoint", "verify_checkpoint", "convert_checkpoint"])
+def test_latest_naming_a_tag_too_long_for_a_folder_name(tmp_path: Path, layout: str, call: str) -> None:
+    """A 300-character tag made every reader raise a bare OSError (File name too long) from
+    looking up its folder; the error is a CheckpointFormatError naming the latest file and the tag."""
+    z = tmp_path / "z"
+    if layout == "a ZeRO folder":
+        shutil.copytree(folder("bf16", 1), z)
+    else:
+        z.mkdir()
+    (z / "latest").write_text("t" * 300)
+    run_call = {
+        "read_checkpoint": lambda: ckptkit.read_checkpoint(z),
+        "inspect_checkpoint": lambda: ckptkit.inspect_checkpoint(z),
+        "verify_checkpoint": lambda: ckptkit.verify_checkpoint(z),
+        "convert_checkpoint": lambda: ckptkit.convert_checkpoint(z, tmp_path / "out.safetensors"),
+    }[call]
+    says = rf"{z / 'latest'}: names tag 't{{40}}'\.\.\. \(300 characters\), which cannot be a folder name \(File name too long\)"
+    if call == "verify_checkpoint":  # verify reports what it found rather than raising
+        report = run_call()
+        assert not report.ok
+        assert re.search(says, str(report.to_dict()))
+    else:
+        with pytest.raises(CheckpointFormatError, match=says):
+            run_call()
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_latest_naming_a_tag_too_long_is_one_line_from_the_cli(tmp_path: Path) -> None:
+    z = tmp_path / "z"
+    shutil.copytree(folder("bf16", 2), z)
+    (z / "latest").write_text("t" * 300)
+    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "inspect", str(z)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"ckptkit: error: {z / 'latest'}: names tag {'t' * 40!r}... (300 characters), which cannot be a folder "
+        f"name (File name too long); expected the name of a tag folder in {z}; give one of its tag folders "
+        f"instead: {z / 'global_step3'}"
+    ]
+
+
+def test_latest_naming_a_tag_with_a_newline_is_one_line(tmp_path: Path) -> None:
+    """The message joined the tag to the folder's path, so a tag holding a newline broke it in two
+    (the fuzzer's finding)."""
+    z = tmp_path / "z"
+    shutil.copytree(folder("bf16", 1), z)
+    (z / "latest").write_text("global_step3\nglobal_step4")
+    proc = subprocess.run([sys.executable, "-m", "ckptkit.cli", "inspect", str(z)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"ckptkit: error: {z}: a DeepSpeed checkpoint folder whose latest file names tag 'global_step3\\nglobal_step4', "
+        f"but its folder is missing or holds no *_model_states.pt; give one of its tag folders instead: {z / 'global_step3'}"
+    ]
 
 
 def test_missing_rank_is_refused(tmp_path: Path) -> None:

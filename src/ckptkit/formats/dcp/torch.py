@@ -20,7 +20,7 @@ import os
 import pickle
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,6 +33,7 @@ from ...errors import (
     UnsafeCheckpointError,
     spell,
 )
+from ...io.atomic import describe_error
 from ...io.atomicdir import atomic_folder
 from ..pickles.reader import UnsupportedGlobal
 from ..pickles.safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
@@ -167,21 +168,74 @@ def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:
     if not isinstance(obj, Mapping):
         raise ArgumentError(f"{dest}: a DCP folder holds a state dict (a mapping), not a {type(obj).__name__}")
     with atomic_folder(dest) as tmp:  # replaces a folder there: the caller checked it may
+        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        recording = _RecordingFileSystem(writer.fs)
+        writer.fs = recording  # type: ignore[assignment]  # duck-typed: the writer only calls its methods
         try:
             with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": meant
                 warnings.simplefilter("ignore")
-                _save_alone(dict(obj), dcp.FileSystemWriter(str(tmp), sync_files=True))
+                _save_alone(dict(obj), writer)
         except CkptkitError:
             raise
         except OSError as e:
-            raise CheckpointWriteError(f"cannot write {dest}: {e.strerror or e}") from e
+            raise CheckpointWriteError(describe_error(e, dest)) from e
         except (CheckpointException, ValueError, TypeError, AttributeError, RuntimeError, KeyError) as e:
             cause = (first_failure(e) or e) if isinstance(e, CheckpointException) else e  # DCP wraps each rank's
+            # torch.save inside DCP's writer turns a failed write into "[enforce fail at
+            # inline_container.cc] unexpected pos ..."; the OSError it swallowed (a full disk, a file
+            # too large) is the cause, and blaming the checkpoint's contents would send the user to
+            # --model-only, which fails the same way.
+            failed = recording.error or (cause if isinstance(cause, OSError) else None)
+            if failed is not None:
+                raise CheckpointWriteError(describe_error(failed, dest)) from e
             raise ArgumentError(
                 f"{dest}: torch.distributed.checkpoint cannot save this checkpoint ({type(cause).__name__}: {_first_line(cause)}); "
                 f"{spell('model_only=True', '--model-only')} writes the weights alone"
             ) from e
         return sum(p.stat().st_size for p in tmp.iterdir())
+
+
+class _RecordingStream(io.BufferedWriter):
+    """A file DCP's writer writes into, remembering the first OSError a write or flush raised."""
+
+    def __init__(self, raw: io.FileIO, fs: _RecordingFileSystem) -> None:
+        super().__init__(raw)
+        self._fs = fs
+
+    def write(self, data: Any) -> int:
+        try:
+            return super().write(data)
+        except OSError as e:
+            self._fs.error = self._fs.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as e:
+            self._fs.error = self._fs.error or e
+            raise
+
+
+class _RecordingFileSystem:
+    """DCP's local file system (``writer.fs``), whose written files keep the OSError that torch.save
+    swallows; everything but ``create_stream`` is the wrapped one's."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+        self.error: OSError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with self._fs.create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _RecordingStream(io.FileIO(path, mode), self) as stream:
+            yield stream
 
 
 def _save_alone(state: dict[str, Any], writer: Any) -> None:
