@@ -7,12 +7,15 @@ rlimits and kills never touch the test process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,35 +141,51 @@ def _fault_case(name: str, folder: Path, prepare: Any, cleanup: Any = None) -> l
     src = folder.parent / f"src-{folder.name}.pt"
     torch.save({f"module.w{i}": torch.full((262144,), float(i)) for i in range(4)}, src)  # 4 MiB
     results = []
-    for action in ("save_on_master", "convert"):
-        path = folder / ("ckpt.pt" if action == "save_on_master" else "single.safetensors")
+    for action in ("save_on_master", "convert", "convert to DCP"):
+        path = (
+            folder / {"save_on_master": "ckpt.pt", "convert": "single.safetensors", "convert to DCP": "out.dcp"}[action]
+        )
         if action == "save_on_master":
             ckptkit.save_on_master(_payload(1, 1), path)
-        else:
+        elif action == "convert":
             path.write_bytes(b"the previous output")
-        before = path.read_bytes()
+        else:  # a DCP folder written before, which the failed convert must leave as it was
+            small = folder.parent / f"small-{folder.name}.pt"
+            torch.save({"module.w": torch.ones(4)}, small)
+            ckptkit.convert_checkpoint(small, path, format="dcp")
+        before = _contents(path)
         result: dict[str, Any] = {"case": name, "action": action}
         try:
             prepare()
             try:
                 if action == "save_on_master":
                     ckptkit.save_on_master(_payload(2, 4), path)  # 4 MiB: bigger than every limit used
-                else:
+                elif action == "convert":
                     ckptkit.convert_checkpoint(src, path, force=True)
+                else:
+                    ckptkit.convert_checkpoint(src, path, force=True, format="dcp")
                 result["error"] = None
             except ckptkit.CkptkitError as e:
                 result["error"] = f"{type(e).__name__}: {e}"
         finally:
             if cleanup is not None:
                 cleanup()
-        result["old_intact"] = path.read_bytes() == before
+        result["old_intact"] = _contents(path) == before
         result["temps"] = _temps(folder)
         results.append(result)
     return results
 
 
+def _contents(path: Path) -> dict[str, bytes]:
+    """A file's bytes, or a folder's files and their bytes."""
+    if path.is_dir():
+        return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    return {"": path.read_bytes()}
+
+
 def disk_faults(trials: int, folder: Path, seed: int) -> dict[str, Any]:
-    """File too large (RLIMIT_FSIZE), disk full (1 MiB tmpfs), permission denied (chattr +i)."""
+    """File too large (RLIMIT_FSIZE), disk full (2 MiB tmpfs), a read-only filesystem (a tmpfs
+    remounted ro), permission denied (chattr +i): each under save_on_master, convert and convert to DCP."""
     import resource
     import subprocess
 
@@ -197,6 +216,28 @@ def disk_faults(trials: int, folder: Path, seed: int) -> dict[str, Any]:
             subprocess.run(["umount", str(full)], check=False)
     else:
         cases.append({"case": "disk full (tmpfs)", "skipped": "mount not permitted here"})
+    readonly = folder / "readonly"
+    readonly.mkdir()
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(readonly)], capture_output=True
+        ).returncode
+        == 0
+    ):
+
+        def remount(mode: str) -> None:
+            subprocess.run(["mount", "-o", f"remount,{mode}", str(readonly)], check=True, capture_output=True)
+
+        try:
+            cases.extend(
+                _fault_case(
+                    "read-only filesystem (tmpfs remounted ro)", readonly, lambda: remount("ro"), lambda: remount("rw")
+                )
+            )
+        finally:
+            subprocess.run(["umount", str(readonly)], check=False)
+    else:
+        cases.append({"case": "read-only filesystem (tmpfs)", "skipped": "mount not permitted here"})
     locked = folder / "immutable"
     locked.mkdir()
 
@@ -436,6 +477,221 @@ def fuzz(trials: int, folder: Path, seed: int) -> dict[str, Any]:
     return counts
 
 
+_WRITER = """
+import json, sys, pathlib, torch, ckptkit
+where, start, steps, status, mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4]), int(sys.argv[5])
+if len(sys.argv) > 6:  # an object store: multipart uploads of 5 MiB parts (S3's least)
+    from ckptkit.io import remote
+    remote.PART_SIZE = 5 << 20
+torch.set_num_threads(1)
+committed = 0
+try:
+    folder = ckptkit.CheckpointFolder(where, keep=2)
+    for step in range(start, start + steps):
+        path = folder.path_for(step)
+        ckptkit.save_on_master({"step": torch.tensor(step), "w": torch.full((mb << 18,), float(step))}, path)
+        folder.commit(path)
+        committed += 1
+        status.write_text(json.dumps({"committed": committed, "step": step}))
+    outcome = {"how": "done"}
+except ckptkit.CkptkitError as e:
+    outcome = {"how": "refused" if committed == 0 else "failed", "error": f"{type(e).__name__}: {e}"}
+except Exception as e:
+    outcome = {"how": "crashed", "error": f"{type(e).__name__}: {e}"}
+status.write_text(json.dumps({"committed": committed, **outcome}))
+"""
+
+
+def _writer(where: str, start: int, steps: int, status: Path, mb: int, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", _WRITER, where, str(start), str(steps), str(status), str(mb), *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _status(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return {}
+
+
+def _consistent_at(path: Any) -> bool:
+    """A checkpoint's values are those of the step its name says."""
+    import ckptkit
+
+    obj = ckptkit.read_checkpoint(path)
+    step = int(obj["step"])
+    return bool((obj["w"] == float(step)).all()) and f"step_{step:09d}" in str(path)
+
+
+def concurrent_writers(trials: int, folder: Path, seed: int) -> dict[str, Any]:
+    """Two writers on one CheckpointFolder, as when an old SLURM job still runs as its requeued copy
+    starts: the second, started once the first has committed, resumes from ``latest``. A reader
+    polls the folder all the while. The second writer must be refused at once (naming the first);
+    nothing either commits may be lost, and ``latest`` must always name a loadable checkpoint."""
+    import ckptkit
+
+    rng = random.Random(seed)
+    counts = {
+        "trials": 0,
+        "second writer refused at once": 0,
+        "both writers wrote": 0,
+        "a writer lost its checkpoint or died": 0,
+        "latest named a missing file": 0,
+        "reader could not open the latest checkpoint": 0,
+        "reads": 0,
+        "final latest not loadable": 0,
+        "errors": [],
+    }
+    for trial in range(trials):
+        at = folder / f"run{trial}"
+        first = _writer(str(at), 1, 10**6, folder / f"a{trial}.json", 1)  # the old job: runs until stopped
+        while _status(folder / f"a{trial}.json").get("committed", 0) < rng.randint(1, 5) and first.poll() is None:
+            time.sleep(0.01)
+        latest_step = _status(folder / f"a{trial}.json").get("step", 0)
+        second = _writer(str(at), latest_step + 1, 30, folder / f"b{trial}.json", 1)
+        probe = ckptkit.CheckpointFolder(at)  # reads only: no path_for, no commit
+        while second.poll() is None:
+            pointer = at / "latest"
+            try:
+                name = pointer.read_text().strip()
+                if name and not (at / name).exists() and pointer.read_text().strip() == name:  # still named
+                    counts["latest named a missing file"] += 1
+            except FileNotFoundError:
+                pass
+            try:
+                with _opened_latest(probe) as path:
+                    if path is not None:
+                        counts["reads"] += 1
+                        if not _consistent_at(path):
+                            counts["reader could not open the latest checkpoint"] += 1
+            except ckptkit.CkptkitError as e:
+                counts["reader could not open the latest checkpoint"] += 1
+                counts["errors"].append(f"reader: {type(e).__name__}: {e}"[:300])
+            time.sleep(0.005)
+        first.kill()  # the old job ends as SLURM ends it when its time is up
+        first.wait()
+        outcomes = [
+            _status(folder / f"{w}{trial}.json") | {"stderr": p.stderr.read()[-300:] if p.stderr else ""}
+            for w, p in (("a", first), ("b", second))
+        ]
+        if "how" not in outcomes[0]:
+            outcomes[0]["how"] = "done"  # still writing when killed: it lost nothing it had committed
+        counts["trials"] += 1
+        b = outcomes[1]
+        if b.get("how") == "refused":
+            counts["second writer refused at once"] += 1
+            counts.setdefault("refusal", b.get("error", ""))
+        elif b.get("committed", 0) > 0:
+            counts["both writers wrote"] += 1
+        for o in outcomes:
+            if o.get("how") not in ("done", "refused"):
+                counts["a writer lost its checkpoint or died"] += 1
+                counts["errors"].append(f"writer: {o}"[:400])
+        try:
+            final = ckptkit.CheckpointFolder(at).latest()
+            counts["final latest not loadable"] += int(final is None or not _consistent_at(final))
+        except ckptkit.CkptkitError as e:
+            counts["final latest not loadable"] += 1
+            counts["errors"].append(f"final: {type(e).__name__}: {e}"[:300])
+    return counts
+
+
+@contextlib.contextmanager
+def _opened_latest(folder: Any) -> Iterator[Any]:
+    """The latest checkpoint, held open where the folder offers that (``open_latest``), else named."""
+    if hasattr(folder, "open_latest"):
+        with folder.open_latest() as path:
+            yield path
+    else:
+        yield folder.latest()
+
+
+def kill_s3(trials: int, folder: Path, seed: int) -> dict[str, Any]:
+    """kill -9 a writer saving 12 MiB checkpoints to a CheckpointFolder on S3 (moto), at random
+    moments during its multipart uploads. Nothing committed may be lost or torn; killed writers'
+    staging folders must not pile up, and their multipart uploads are counted."""
+    import logging
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    import ckptkit
+
+    rng = random.Random(seed)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    staging = folder / "staging"
+    staging.mkdir()
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+        CKPTKIT_STAGING=str(staging),
+    )
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="ckptkit-campaign")
+    url = "s3://ckptkit-campaign/run"
+    counts: dict[str, Any] = {
+        "trials": 0,
+        "killed mid-upload": 0,
+        "torn": 0,
+        "unreadable": 0,
+        "went_back": 0,
+        "errors": [],
+    }
+    last = 0
+    try:
+        for trial in range(trials):
+            status = folder / f"w{trial}.json"
+            proc = _writer(url, last + 1, 1000, status, 12, "s3")
+            while _status(status).get("committed", 0) < 1 and proc.poll() is None:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 1.5))
+            uploading = bool(client.list_multipart_uploads(Bucket="ckptkit-campaign").get("Uploads"))
+            proc.kill()
+            proc.wait()
+            counts["trials"] += 1
+            counts["killed mid-upload"] += int(uploading and proc.returncode == -signal.SIGKILL)
+            if proc.returncode != -signal.SIGKILL:
+                counts["errors"].append(
+                    f"writer ended before the kill: {_status(status)} {proc.stderr.read()[-300:] if proc.stderr else ''}"
+                )
+            try:
+                latest = ckptkit.CheckpointFolder(url).latest()
+                if latest is None or not _consistent_at(latest):
+                    counts["torn"] += 1
+                else:
+                    step = int(str(latest).rsplit("step_", 1)[1].split(".")[0])
+                    counts["went_back"] += int(step < last)
+                    last = max(last, step)
+            except ckptkit.CkptkitError as e:
+                counts["unreadable"] += 1
+                counts["errors"].append(f"{type(e).__name__}: {e}"[:300])
+        counts["staging folders left by the killed writers"] = len(list(staging.iterdir()))
+        counts["multipart uploads left by the killed writers"] = len(
+            client.list_multipart_uploads(Bucket="ckptkit-campaign").get("Uploads", [])
+        )
+        # One more writer, left to finish: what it cleans on its way is what stays bounded.
+        proc = _writer(url, last + 1, 1, folder / "final.json", 12, "s3")
+        proc.wait()
+        counts["final writer"] = _status(folder / "final.json").get("how")
+        counts["staging folders left after the next writer"] = len(list(staging.iterdir()))
+        counts["multipart uploads left after the next writer"] = len(
+            client.list_multipart_uploads(Bucket="ckptkit-campaign").get("Uploads", [])
+        )
+    finally:
+        server.stop()
+    return counts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("campaign")
@@ -451,6 +707,8 @@ def main() -> int:
         "hostile-inputs": hostile_inputs,
         "code-payloads": code_payloads,
         "fuzz": fuzz,
+        "concurrent-writers": concurrent_writers,
+        "kill-s3": kill_s3,
     }[args.campaign]
     print(json.dumps(fn(args.trials, args.dir, args.seed)))
     return 0

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.reliability
 
 
 def campaign(name: str, folder: Path, trials: int, seed: int = 0, timeout: float = 900) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)  # a checkout's own src/ kept
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [
             sys.executable,
@@ -71,6 +72,7 @@ def test_disk_full_too_large_and_permission_denied(tmp_path: Path, tally: Counte
         "file too large": "file too large",
         "disk full": "no space left",
         "permission denied": "permission denied",
+        "read-only filesystem": "read-only filesystem",
     }
     for case in cases:
         if "skipped" in case:
@@ -115,6 +117,46 @@ def test_rank0_failing_mid_save_never_hangs_the_others(
         expected = "CheckpointWriteError" if how == "raises" else "DistributedError"
         for r in results[1:]:
             assert r.raised(expected), (r.rank, r.status, r.message)
+
+
+@pytest.mark.slow  # writer processes
+def test_a_second_writer_on_one_checkpoint_folder_is_refused_and_nothing_is_lost(
+    tmp_path: Path, stress: int, tally: Counter[str]
+) -> None:
+    r = campaign("concurrent-writers", tmp_path, 3 * stress, seed=stress)
+    tally["concurrent writers on one CheckpointFolder: trials"] += r["trials"]
+    tally["concurrent writers: the second refused at once"] += r["second writer refused at once"]
+    tally["concurrent writers: both wrote"] += r["both writers wrote"]
+    tally["concurrent writers: reads of the latest checkpoint beside them"] += r["reads"]
+    lost = r["a writer lost its checkpoint or died"] + r["final latest not loadable"]
+    tally["data lost (torn, unreadable or older checkpoint)"] += lost
+    tally["torn or mixed reads"] += r["latest named a missing file"] + r["reader could not open the latest checkpoint"]
+    assert lost == 0 and r["latest named a missing file"] == 0, r
+    assert r["reader could not open the latest checkpoint"] == 0, r
+    assert r["second writer refused at once"] == r["trials"], r
+
+
+@pytest.mark.slow  # writer processes and a local S3 server
+def test_kill_9_during_s3_uploads_loses_nothing_and_leaves_nothing_growing(
+    tmp_path: Path, stress: int, tally: Counter[str]
+) -> None:
+    pytest.importorskip("moto.server", reason="moto is not installed: the campaign needs a local S3 server")
+    pytest.importorskip("s3fs", reason="s3fs is not installed: pip install 'ckptkit[s3]'")
+    r = campaign("kill-s3", tmp_path, 8 * stress, seed=stress)
+    tally["kill -9 during S3 uploads: trials"] += r["trials"]
+    tally["kill -9 during S3 uploads: kills that landed mid-upload"] += r["killed mid-upload"]
+    tally["kill -9 during S3 uploads: staging folders left after the next writer"] += r[
+        "staging folders left after the next writer"
+    ]
+    tally["kill -9 during S3 uploads: multipart uploads left after the next writer"] += r[
+        "multipart uploads left after the next writer"
+    ]
+    lost = r["torn"] + r["unreadable"] + r["went_back"]
+    tally["data lost (torn, unreadable or older checkpoint)"] += lost
+    assert lost == 0, r
+    assert r["final writer"] == "done", r
+    assert r["staging folders left after the next writer"] == 0, r
+    assert r["killed mid-upload"] > 0, r  # the kills really did land during uploads
 
 
 def test_readers_never_see_a_mix_while_the_file_is_rewritten(tmp_path: Path, stress: int, tally: Counter[str]) -> None:
