@@ -149,6 +149,11 @@ DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
 }
 
 
+# What torch 2.6 still reads and later releases refuse (2.13 checks a record's size is exactly
+# the storage's): ckptkit refuses it on every torch.
+LATER_TORCH = {"storage record longer than declared"}
+
+
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_what_torch_refuses_verify_fails_and_convert_refuses(tmp_path: Path, damage: str) -> None:
     base = saved(tmp_path / "base.pt", {"module.w": torch.arange(6.0), "module.b": torch.ones(2)})
@@ -157,8 +162,11 @@ def test_what_torch_refuses_verify_fails_and_convert_refuses(tmp_path: Path, dam
     ):
         pytest.skip(f"torch {torch.__version__} writes (and reads) no .storage_alignment record; later releases do")
     bad = DAMAGE[damage](base, tmp_path / "bad.pt")
-    with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError, ValueError, ... by case
-        torch.load(bad, weights_only=True)
+    if damage in LATER_TORCH and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        torch.load(bad, weights_only=True)  # older torch reads it; ckptkit judges as the newer torch
+    else:
+        with pytest.raises(Exception):  # noqa: B017 - torch raises RuntimeError, ValueError, ... by case
+            torch.load(bad, weights_only=True)
     assert_refused(bad, tmp_path)
 
 
