@@ -128,9 +128,10 @@ not fixed yet is listed above, under "Failed" and in the fuzzer's section.
   rather than passed (under "Could not run here").
 - The S3 campaign runs against moto's local server, not AWS: it shows what ckptkit leaves behind
   when killed, not how a real bucket bills it.
-- The fuzzer's hang budget is a per-mutant alarm (10 s); a reader that blocks in C code past it is
-  ended by faulthandler and counted as a hang. Its reference readers are torch.load(weights_only=True)
-  and safetensors; DCP and DeepSpeed folders have none, so there it compares verify with
+- The fuzzer's hang budget is an alarm of 10 s on each call of a mutant (verify, read, inspect,
+  convert, each CLI command); a reader that blocks in C code past it is ended by faulthandler and
+  counted as a hang. A pickle nested 200,000 deep takes seconds, within it. Its reference readers
+  are torch.load(weights_only=True) and safetensors; DCP and DeepSpeed folders have none, so there it compares verify with
   read_checkpoint, and convert with both.
 - No GPU was available: every fault here ran on CPU with gloo.
 """
@@ -286,7 +287,7 @@ def _fuzz_section(fuzz: dict[str, Any]) -> list[str]:
     from tests.reliability.fuzz import summary_lines
 
     lines = [
-        f"{fuzz['mutants']} mutants of seed {fuzz['seed']} in {fuzz['seconds']} s, each under a {fuzz['budget_s']} s alarm, "
+        f"{fuzz['mutants']} mutants of seed {fuzz['seed']} in {fuzz['seconds']} s, each call under a {fuzz['budget_s']} s alarm, "
         "through verify, read_checkpoint, inspect, convert, the reference reader and the CLI. "
         "Mutants per seed: " + ", ".join(f"{k} {v}" for k, v in fuzz["seeds"].items()) + ".",
         "",
