@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT
-from tests.train.test_trainer import assert_same_final, descendants, finish, kill_tree
+from tests.train.test_trainer import assert_same_final, finish, kill_tree, worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -60,18 +60,6 @@ def wait_for_checkpoint(out: Path, step: int, proc: subprocess.Popen[str], timeo
         time.sleep(0.005)
 
 
-def worker(root: int, rank: int) -> int:
-    for p in descendants(root):
-        try:
-            env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{p}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"train_ddp.py" in cmdline and b"torch.distributed.run" not in cmdline:
-            return p
-    raise AssertionError(f"no worker with RANK={rank} under {root}")
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 2-process run: the reference every interrupted run must equal."""
@@ -100,7 +88,7 @@ def test_sigkill_partway_then_resume_equals_an_uninterrupted_run(straight: Path,
 def test_sigterm_on_one_rank_saves_there_and_the_rerun_resumes_exactly(straight: Path, tmp_path: Path) -> None:
     proc = launch(tmp_path)
     wait_for_checkpoint(tmp_path, 20, proc)
-    os.kill(worker(proc.pid, 1), signal.SIGTERM)
+    os.kill(worker(proc.pid, 1, b"train_ddp.py"), signal.SIGTERM)
     assert finish(proc) == 0, output(tmp_path)
     stopped = re.findall(r"stopped by a signal at step (\d+); saved (\S+);", output(tmp_path))
     assert stopped and int(stopped[0][0]) < LAST, output(tmp_path)

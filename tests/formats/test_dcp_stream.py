@@ -48,15 +48,18 @@ def _convert_in_subprocess(*args: str) -> tuple[subprocess.CompletedProcess[str]
     return run_torch_free(["convert", *args, "--json"])
 
 
+# fsdp2_dcp_dim1: row-parallel weights (Shard(1)) used to send the whole checkpoint through torch's loader
+@pytest.mark.parametrize("folder", ["fsdp2_dcp", "fsdp2_dcp_dim1"])
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-def test_fsdp2_folder_converts_without_torch(fixtures_dir: Path, tmp_path: Path, suffix: str) -> None:
+def test_fsdp2_folder_converts_without_torch(fixtures_dir: Path, tmp_path: Path, suffix: str, folder: str) -> None:
     out = tmp_path / f"single{suffix}"
-    proc, imported_torch = _convert_in_subprocess(str(fixtures_dir / "fsdp2_dcp"), str(out))
+    proc, imported_torch = _convert_in_subprocess(str(fixtures_dir / folder), str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["fast"] is True and report["fallback_reason"] == "" and report["tensors"] == 16
     assert not imported_torch
-    _assert_same(_read(out), torch.load(fixtures_dir / "fsdp2_dcp.expected.pt", weights_only=True))
+    _assert_same(_read(out), torch.load(fixtures_dir / f"{folder}.expected.pt", weights_only=True))
+    assert ckptkit.verify_checkpoint(out).ok
 
 
 def test_each_record_header_is_written_once_with_its_chunks_crc(
@@ -155,18 +158,6 @@ def test_chunks_that_do_not_tile_are_an_error_naming_the_key(
     with pytest.raises(CheckpointFormatError, match=rf"tensor head\.weight .*{message}"):
         ckptkit.convert_checkpoint(folder, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
-
-
-@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_chunks_split_along_dim_1_convert_without_torch(fixtures_dir: Path, tmp_path: Path, suffix: str) -> None:
-    """Row-parallel weights (Shard(1)) used to send the whole checkpoint through torch's loader."""
-    out = tmp_path / f"out{suffix}"
-    proc, imported_torch = _convert_in_subprocess(str(fixtures_dir / "fsdp2_dcp_dim1"), str(out))
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert report["fast"] is True and report["fallback_reason"] == "" and not imported_torch
-    _assert_same(_read(out), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True))
-    assert ckptkit.verify_checkpoint(out).ok
 
 
 def _grid_entry(shape: tuple[int, ...], cuts: list[list[int]]) -> Any:

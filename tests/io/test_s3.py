@@ -36,14 +36,19 @@ BUCKET = "ckptkit-test"
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
+def _moto_server() -> tuple[Any, str]:
+    """A local S3 (moto) on a free port, started; and its endpoint."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    return server, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    server, endpoint = _moto_server()
     # botocore reads AWS_ENDPOINT_URL itself, so the CLI's subprocesses find the server too
     saved = {k: os.environ.get(k) for k in [*ENV, "AWS_ENDPOINT_URL"]}
     os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
@@ -487,12 +492,7 @@ def test_the_next_write_cleans_what_a_killed_uploader_left(prefix: str, s3_endpo
 @pytest.fixture
 def lost_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
     """A server of its own, for a test that stops it; s3fs's cached filesystems forgotten around it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    server, endpoint = _moto_server()
     monkeypatch.setattr(remote, "PART_SIZE", 5 << 20)
     monkeypatch.setenv("CKPTKIT_STAGING", str(tmp_path))
     with monkeypatch.context() as m:

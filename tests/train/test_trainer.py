@@ -94,14 +94,15 @@ def kill_tree(pid: int, sig: int) -> None:
             pass
 
 
-def worker(root: int, rank: int) -> int:
+def worker(root: int, rank: int, program: bytes = b"ckptkit.train") -> int:
+    """The pid of rank ``rank``'s worker (running ``program``) under the launcher ``root``."""
     for p in descendants(root):
         try:
             env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
             cmdline = open(f"/proc/{p}/cmdline", "rb").read()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in env and b"ckptkit.train" in cmdline and b"torch.distributed.run" not in cmdline:
+        if f"RANK={rank}".encode() in env and program in cmdline and b"torch.distributed.run" not in cmdline:
             return p
     raise AssertionError(f"no worker with RANK={rank} under {root}")
 
