@@ -247,7 +247,12 @@ def _convert(
     from .read import read_source  # deferred: torch is imported only when this path is taken
 
     obj = read_source(
-        str(source), map_location="cpu", trust=trust, allow_globals=allow_globals, zero_weights=zero_weights
+        str(source),
+        map_location="cpu",
+        trust=trust,
+        allow_globals=allow_globals,
+        zero_weights=zero_weights,
+        checked=True,  # refuse_failing ran above, before anything was read
     )
     module = in_fmt.module_name(source) if trust and in_fmt.module_name is not None else ""
     if module:  # read by the same inert walk as untrusted: nothing of the pickle was run

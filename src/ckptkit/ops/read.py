@@ -72,14 +72,16 @@ def read_source(
     allow_globals: AllowGlobals = (),
     mmap: bool = True,
     zero_weights: Literal["fp32", "module"] = "fp32",
+    checked: bool = False,
 ) -> Any:
     """A local checkpoint read by its format's torch half (what :func:`read_checkpoint` does once
     the path is local; ``zero_weights`` for a DeepSpeed ZeRO folder). What ``verify`` fails on its
-    structure is refused first, in its words."""
+    structure is refused first, in its words (``checked``: the caller already did)."""
     fmt = registry.detect(source)
     if fmt.partial is not None:  # e.g. an intact torch zip whose weights are 0-element placeholders
         fmt.partial(Path(source))
-    refuse_failing(Path(source), fmt)  # verify's judgement: what it fails, no reader reads
+    if not checked:
+        refuse_failing(Path(source), fmt)  # verify's judgement: what it fails, no reader reads
     return fmt.torch().read(
         source,
         fmt=fmt.name,
