@@ -191,6 +191,27 @@ def cli_spelling() -> Iterator[None]:
         _CLI_SPELLING.reset(token)
 
 
+def cause(e: BaseException, *, typed: bool = True) -> str:
+    """Why ``e`` happened, in one line: ``Type: first line of its message`` (``typed=False``: the
+    line alone, or the type where the message is empty). torch's weights-only errors give the
+    reason after their boilerplate; quoted file content never brings a line break with it.
+
+    Example:
+        >>> cause(ValueError("bad header\\n  at byte 8"))
+        'ValueError: bad header'
+        >>> cause(RuntimeError("Weights only load failed. WeightsUnpickler error: \\n\\nbad opcode"), typed=False)
+        'bad opcode'
+    """
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    text = text.split("Check the documentation of torch.load", 1)[0]
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+    if not line:
+        return type(e).__name__
+    return f"{type(e).__name__}: {line}" if typed else line
+
+
 def summarize(items: Sequence[str], limit: int = 6) -> str:
     """Join ``items`` for a message, eliding the tail: ``a, b, c ... and 12 more``."""
     shown = ", ".join(items[:limit])

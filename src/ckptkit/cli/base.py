@@ -71,7 +71,12 @@ def _stop_on_signals() -> Iterator[None]:
 
 
 def fail(message: str, code: int, *, as_json: bool = False, kind: str = "error") -> None:
-    """One line on stderr; with ``--json`` also a JSON object on stdout, for scripts."""
+    """One line on stderr; with ``--json`` also a JSON object on stdout, for scripts.
+
+    A message quotes what a file holds (names, torch's words): a line break or a terminal escape
+    in them is shown escaped, as Python's ``repr`` would, never acted on.
+    """
+    message = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message.strip())
     if as_json:
         emit_json({"ok": False, "error": {"type": kind, "message": message, "exit_code": code}})
     click.echo(f"ckptkit: error: {message}", err=True)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..errors import DistributedError
+from ..errors import DistributedError, cause
 
 T = TypeVar("T")
 
@@ -76,7 +76,7 @@ def _control_group(timeout_s: float, channel: str = "main") -> Any:
 
 
 def _fail(what: str, e: BaseException, timeout_s: float) -> DistributedError:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = cause(e, typed=False)
     return DistributedError(
         f"{what} failed on rank {rank()} of {world_size()}: {text}. Another rank died, raised "
         f"before reaching this call, or did not make it within {timeout_s:g} s; this function "

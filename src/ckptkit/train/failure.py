@@ -21,7 +21,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from ckptkit.errors import ArgumentError, CkptkitError
+from ckptkit.errors import ArgumentError, CkptkitError, cause
 
 # Set by ``ckptkit train`` (not with ``--debug``): the launcher tells a worker's error, the worker stays silent.
 QUIET = "CKPTKIT_TRAIN_QUIET"
@@ -49,7 +49,7 @@ def one_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     if isinstance(e, CkptkitError):
         return " ".join(lines)  # ckptkit's messages are one line already; keep every word if not
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return cause(e)
 
 
 def exit_code(e: BaseException) -> int:

@@ -33,6 +33,7 @@ from ...errors import (
     UnsafeCheckpointError,
     spell,
 )
+from ...errors import cause as why
 from ...io.atomic import describe_error
 from ...io.atomicdir import atomic_folder
 from ..pickles.safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
@@ -184,7 +185,7 @@ def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:
             if failed is not None:
                 raise CheckpointWriteError(describe_error(failed, dest)) from e
             raise ArgumentError(
-                f"{dest}: torch.distributed.checkpoint cannot save this checkpoint ({type(cause).__name__}: {_first_line(cause)}); "
+                f"{dest}: torch.distributed.checkpoint cannot save this checkpoint ({why(cause)}); "
                 f"{spell('model_only=True', '--model-only')} writes the weights alone"
             ) from e
         return sum(p.stat().st_size for p in tmp.iterdir())
@@ -247,10 +248,6 @@ def _save_alone(state: dict[str, Any], writer: Any) -> None:
         from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
         _save_state_dict(state, storage_writer=writer, no_dist=True)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def read(

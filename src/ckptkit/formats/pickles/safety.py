@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ArgumentError, UnsafeCheckpointError, spell, summarize
+from ...errors import ArgumentError, UnsafeCheckpointError, cause, spell, summarize
 from ..detect import sniff
 from ..torchzip.bounds import check_storage_bounds
 from ..torchzip.detect import LEGACY, TORCH_FILES
@@ -240,12 +240,7 @@ def torch_reason(e: BaseException) -> str:
         >>> torch_reason(ValueError("Weights only load failed. WeightsUnpickler error: \\n\\nbad opcode"))
         'bad opcode'
     """
-    text = str(e)
-    if "WeightsUnpickler error:" in text:
-        text = text.split("WeightsUnpickler error:", 1)[1]
-    text = text.split("Check the documentation of torch.load", 1)[0]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
+    return cause(e, typed=False)
 
 
 def needed_globals(

@@ -54,6 +54,7 @@ from ...errors import (
     ClassNotFoundError,
     DistributedError,
     UnsafeCheckpointError,
+    cause,
     spell,
     summarize,
 )
@@ -66,7 +67,6 @@ from ..pickles.safety import (
     global_name,
     needed_globals,
     resolve_globals,
-    torch_reason,
     unsafe_error,
 )
 from ..spec import Placement, WritePlan
@@ -325,15 +325,6 @@ def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) 
     return modelled
 
 
-def _reason(e: BaseException) -> str:
-    # torch puts its reason after "WeightsUnpickler error:", on the same line or the next ones: an
-    # empty remainder of that line once made "torch cannot load this checkpoint...:" end in nothing.
-    if "WeightsUnpickler error:" in str(e):
-        return torch_reason(e)
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
 def _explain(
     e: Exception, source: str, target: str, fmt: str, f: BinaryIO, *, trust: bool, allowed: list[Any]
 ) -> CkptkitError:
@@ -355,15 +346,15 @@ def _explain(
         )
     if "process group" in text and "initialized" in text:
         return DistributedError(
-            f"{source}: unpickling it needs a torch.distributed process group ({_reason(e)}): it pickles an "
+            f"{source}: unpickling it needs a torch.distributed process group ({cause(e)}): it pickles an "
             "object that joins one when loaded, such as a DistributedDataParallel module. Save "
             "model.module.state_dict() instead, or load it inside a process group"
         )
     if "CUDA" in text and "is_available() is False" in text:
-        return ArgumentError(f"{source}: {_reason(e)}; {NO_CUDA_FIX}")
+        return ArgumentError(f"{source}: {cause(e)}; {NO_CUDA_FIX}")
     if fmt == LEGACY:
         return CheckpointFormatError(
-            f"{source}: torch cannot read this legacy-format checkpoint ({_reason(e)}); the legacy format "
+            f"{source}: torch cannot read this legacy-format checkpoint ({cause(e)}); the legacy format "
             "holds no checksums, so ckptkit cannot tell whether it is truncated, damaged or something else"
         )
     try:
@@ -375,12 +366,12 @@ def _explain(
             damage = []  # ckptkit's inert walk cannot follow it (a filled defaultdict); torch said why it stops
     if damage:
         return CheckpointFormatError(
-            f"{source}: damaged torch zip checkpoint: {summarize(damage, 2)} (torch: {_reason(e)})"
+            f"{source}: damaged torch zip checkpoint: {summarize(damage, 2)} (torch: {cause(e)})"
         )
     if needs is not None and not needs.loads:  # intact, every global admitted, and still beyond weights-only
         return unsafe_error(source, (), why=needs.why)
     return CheckpointFormatError(
-        f"{source}: torch cannot load this checkpoint, though its zip structure and CRC-32s check out: {_reason(e)}"
+        f"{source}: torch cannot load this checkpoint, though its zip structure and CRC-32s check out: {cause(e)}"
     )
 
 
