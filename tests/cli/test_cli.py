@@ -18,6 +18,7 @@ from ckptkit.cli import main
 from ckptkit.io.atomic import TMP_SUFFIX
 from ckptkit.model.layout import find_model_state
 from fixtures.models import TiedLM, TinyNet
+from tests import not_regular
 from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import run_torch_free
 
@@ -166,6 +167,15 @@ def test_convert_errors_are_one_line_without_traceback(
     assert "Traceback" not in err
     assert sorted(p.name for p in fixtures_dir.iterdir()) == before  # nothing written next to the sources
     assert no_temps(tmp_path) and not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize("how", ["fifo", "dev zero"])
+def test_a_fifo_or_device_given_as_the_checkpoint_is_refused_not_read(tmp_path: Path, how: str) -> None:
+    """Detection read a FIFO's first bytes with a plain open, which blocks until a writer comes."""
+    victim = tmp_path / "model.pt"
+    victim.write_bytes(b"")
+    not_regular.replace(victim, how)
+    not_regular.assert_refused_everywhere(victim, victim, how, tmp_path / "out.safetensors")
 
 
 def test_force_replaces_atomically(fixtures_dir: Path, tmp_path: Path) -> None:

@@ -167,3 +167,19 @@ def test_paths_are_checked_by_ckptkit_not_by_click() -> None:
         for param in command.params:
             if isinstance(param.type, click.Path):
                 assert not param.type.readable and not param.type.exists, (name, param.name)
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_an_error_quoting_a_hostile_name_stays_one_line(tmp_path: Path, command: str) -> None:
+    """A record name holding a line break and a terminal escape is shown escaped, never acted on."""
+    src = tmp_path / "base.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    data = src.read_bytes()
+    name = b"base/.data/serialization_id"
+    hostile = b"x\n\x1b[2J/serialization_id____"  # as long as the name it replaces: the zip's offsets hold
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(data.replace(name, hostile))
+    args = [command, bad] + ([tmp_path / "out.safetensors"] if command == "convert" else [])
+    code, _, err = run(*args)
+    assert code == 1 and err.count("\n") == 1 and err.startswith("ckptkit: error: "), err
+    assert "\x1b" not in err and "\\x1b[2J" in err and "\\n" in err

@@ -94,7 +94,7 @@ def test_damaged_central_directory_is_refused_naming_the_tensor(tmp_path: Path) 
     folder = _save(tmp_path)
     path, offset, zf, _ = _chunk_zip(folder, "b")
     _patch(path, offset + zf.start_dir + 3, b"\x09")  # the first directory header's signature: PK\x01\x09
-    with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
+    with pytest.raises(CheckpointFormatError, match=rf"tensor b's {WHERE_RE}: .*central directory is damaged"):
         open_dcp(folder)
     out = tmp_path / "out.pt"
     proc = subprocess.run(
@@ -103,7 +103,7 @@ def test_damaged_central_directory_is_refused_naming_the_tensor(tmp_path: Path) 
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1 and f"tensor b: {WHERE}" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 1 and f"tensor b's {WHERE}" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
 
 
@@ -118,11 +118,11 @@ def test_a_lazily_opened_folder_finds_each_tensors_chunks_when_asked(tmp_path: P
         a = src.obj["a"]
         assert a._found is None and a.nbytes == 64 * 64 * 4  # nothing read yet; the size is .metadata's
         assert [(p.length, p.crc) for p in a.pieces] == [(64 * 64 * 4, crc32(_state()["a"].numpy().tobytes()))]
-        with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
+        with pytest.raises(CheckpointFormatError, match=rf"tensor b's {WHERE_RE}: .*central directory is damaged"):
             src.obj["b"].pieces  # noqa: B018
     finally:
         src.close()
-    with pytest.raises(CheckpointFormatError, match="tensor b: "):
+    with pytest.raises(CheckpointFormatError, match="tensor b's "):
         open_dcp(folder)  # the default: every chunk read at open
 
 
@@ -153,7 +153,7 @@ def test_chunks_found_lazily_fail_when_the_writer_reaches_them(
     monkeypatch.setattr(dcpstream, "_pieces", pieces)
     out = tmp_path / "out.pt"
     if damage == "directory":
-        with pytest.raises(CheckpointFormatError, match=rf"tensor b: {WHERE_RE}: .*central directory is damaged"):
+        with pytest.raises(CheckpointFormatError, match=rf"tensor b's {WHERE_RE}: .*central directory is damaged"):
             convert_checkpoint(folder, out)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.dcp"]
     else:

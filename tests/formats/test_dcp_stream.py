@@ -26,6 +26,7 @@ import ckptkit
 from ckptkit.errors import CheckpointFormatError
 from ckptkit.formats.dcp.stream import DcpTensor, open_dcp
 from ckptkit.io.atomic import TMP_SUFFIX
+from tests import not_regular
 from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import limited_memory, run_torch_free
 
@@ -497,3 +498,14 @@ def test_a_flipped_bit_in_an_interleaved_chunk_fails_convert_naming_it(fixtures_
     with pytest.raises(CheckpointFormatError, match=r"mlp\.0\.weight"):
         ckptkit.convert_checkpoint(folder, tmp_path / "out.safetensors")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("how", list(not_regular.FOUND))
+def test_a_shard_that_is_not_a_regular_file_is_refused_in_one_line(
+    fixtures_dir: Path, tmp_path: Path, how: str
+) -> None:
+    """A FIFO blocked every reader; a folder, a symlink loop or a dangling symlink raised a bare OSError."""
+    folder = tmp_path / "dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
+    not_regular.replace(folder / "__0_0.distcp", how)
+    not_regular.assert_refused_everywhere(folder, folder / "__0_0.distcp", how, tmp_path / "out.safetensors")

@@ -32,6 +32,7 @@ from ckptkit.formats.pickles.dump import new_tensor
 from ckptkit.formats.registry import detect
 from ckptkit.formats.torchzip.writer import write_torch_zip
 from ckptkit.io.atomic import TMP_SUFFIX
+from tests import not_regular
 from tests.torchfree import run_torch_free
 
 DS = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed"
@@ -343,3 +344,33 @@ def test_fixture_manifest() -> None:
     about = (DS / "ABOUT.json").read_text()
     assert "make_deepspeed_fixtures.py" in about and "0.19.8" in about
     assert isinstance(OrderedDict(expected("bf16", 1)), OrderedDict)
+
+
+@pytest.mark.parametrize("how", list(not_regular.FOUND))
+@pytest.mark.parametrize("file", ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_a_rank_file_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path: Path, file: str, how: str) -> None:
+    """A FIFO blocked every reader; a folder, a symlink loop or a dangling symlink raised a bare OSError."""
+    zero = tmp_path / "zero2"
+    shutil.copytree(folder("bf16", 2), zero, symlinks=True)
+    victim = zero / "global_step3" / file
+    not_regular.replace(victim, how)
+    not_regular.assert_refused_everywhere(zero, victim, how, tmp_path / "out.safetensors")
+
+
+def test_a_copy_names_the_records_it_never_read(tmp_path: Path) -> None:
+    """zero_to_fp32's weights come from the optimizer's fp32 partitions: the moments and the 16-bit
+    module weights are never read, so never checked. The report names them; verify checks them."""
+    view = open_deepspeed(folder("bf16", 2))
+    try:
+        records = {
+            f"{view.paths[i].name}:{r.name}"
+            for i, z in enumerate(view.zips)
+            for r in z.records
+            if r.name.startswith(f"{z.prefix}data/")
+        }
+    finally:
+        view.close()
+    report = ckptkit.convert_checkpoint(folder("bf16", 2), tmp_path / "out.safetensors")
+    assert report.unread and set(report.unread) < records  # some read, the rest named
+    assert all(":" in name and "/data/" in name for name in report.unread)
+    assert any("not read, so not checked" in n for n in report.notes)

@@ -25,6 +25,7 @@ import ckptkit
 from ckptkit.cli import main
 from fixtures.make_hf_fixtures import MAX_SHARD_SIZE, hf_state_dict
 from fixtures.models import TiedLM, TinyNet
+from tests import not_regular
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 HF = FIXTURES / "hf"
@@ -137,6 +138,16 @@ def test_a_missing_shard_is_named(tmp_path: Path) -> None:
     (folder / "model-00003-of-00003.safetensors").unlink()
     code, _, stderr = run("inspect", folder)
     assert code == 1 and "missing" in stderr and "model-00003-of-00003.safetensors" in stderr
+
+
+@pytest.mark.parametrize("how", list(not_regular.FOUND))
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_a_shard_that_is_not_a_regular_file_is_refused_in_one_line(tmp_path: Path, kind: str, how: str) -> None:
+    """Not called missing: the message says what is there (a FIFO would block a reader that opened it)."""
+    folder = _copy(kind, tmp_path)
+    victim = sorted(folder.glob("*-00002-of-00003.*"))[0]
+    not_regular.replace(victim, how)
+    not_regular.assert_refused_everywhere(folder, victim, how, tmp_path / "out.safetensors")
 
 
 # -- out: what huggingface_hub writes -----------------------------------------------------------

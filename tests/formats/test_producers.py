@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from fixtures.make_framework_fixtures import (
     tiny_gpt2,
     torchvision_importable,
 )
+from tests import not_regular
 from tests.cli.test_cli import run
 
 FW = Path(__file__).resolve().parents[2] / "fixtures" / "frameworks"
@@ -113,6 +115,17 @@ def test_inspect_describes_the_folders() -> None:
     code, out, err = run("inspect", FW / "timm/last.pth.tar", "--allow-global", "argparse.Namespace")
     assert code == 0, err
     assert "timm CheckpointSaver checkpoint" in out and "EMA copy: state_dict_ema (--key state_dict_ema)" in out
+
+
+@pytest.mark.parametrize("file", ["trainer_state.json", "config.json"])
+def test_a_trainer_folder_whose_json_is_a_fifo_is_described_without_it(tmp_path: Path, file: str) -> None:
+    """Its step and architecture were read with a plain open, which waits on a FIFO for a writer."""
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(FW / "trainer/checkpoint-2", folder)
+    not_regular.replace(folder / file, "fifo")
+    with not_regular.deadline():
+        trainer = ckptkit.inspect_checkpoint(folder).producer
+    assert trainer is not None and trainer["what"].startswith("Hugging Face Trainer checkpoint, step 2")
 
 
 @pytest.mark.parametrize(("name", "producer", "weights", "ema", "opts"), CASES, ids=[c[0] for c in CASES])

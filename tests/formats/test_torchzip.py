@@ -9,6 +9,8 @@ rejects. The hostile-input suite found them with its soundness oracle.
 from __future__ import annotations
 
 import collections
+import pickle
+import pickletools
 import struct
 import zipfile
 from collections.abc import Callable
@@ -89,6 +91,25 @@ class _Short:
         return torch._utils._rebuild_tensor_v2, (storage, 0, (6,), (1,))
 
 
+class _Built:
+    """Pickles as ``_rebuild_tensor_v2`` over a storage of ``dtype``, with ``requires_grad`` as given."""
+
+    def __init__(self, dtype: torch.dtype, requires_grad: object) -> None:
+        self.dtype, self.requires_grad = dtype, requires_grad
+
+    def __reduce_ex__(self, protocol: int) -> object:
+        storage = torch.storage.TypedStorage(
+            wrap_storage=torch.arange(6, dtype=self.dtype).untyped_storage(), dtype=self.dtype, _internal=True
+        )
+        args = (storage, 0, (6,), (1,), self.requires_grad, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, args
+
+
+def renamed_global(old: bytes, new: bytes) -> Rewrite:
+    """``data.pkl`` with its first GLOBAL ``old`` (``b"torch\\nFloatStorage"``) naming ``new``."""
+    return lambda n, d: (n, d.replace(b"c" + old + b"\n", b"c" + new + b"\n", 1) if n.endswith("/data.pkl") else d)
+
+
 def added_to_pickle(opcodes: bytes) -> Rewrite:
     """``data.pkl`` with one more top-level item, built by ``opcodes`` (a key, then a value)."""
     return lambda n, d: (n, d[:-1] + opcodes + b"s." if n.endswith("/data.pkl") else d)
@@ -122,6 +143,20 @@ DAMAGE: dict[str, Callable[[Path, Path], Path]] = {
     ),
     "byteorder neither little nor big": lambda b, o: rewrite_records(b, o, replace("/byteorder", b"middle")),
     "storage_alignment not a number": lambda b, o: rewrite_records(b, o, replace("/.storage_alignment", b"x")),
+    # an empty record is not a missing one: torch reads b"" as neither byte order, and as no number
+    "byteorder empty": lambda b, o: rewrite_records(b, o, replace("/byteorder", b"")),
+    "storage_alignment empty": lambda b, o: rewrite_records(b, o, replace("/.storage_alignment", b"")),
+    "requires_grad not a bool": lambda b, o: saved(o, {"w": _Built(torch.float32, "yes")}),
+    "requires_grad on an integer tensor": lambda b, o: saved(o, {"w": _Built(torch.int64, True)}),
+    "a storage class called as a function": lambda b, o: rewrite_records(
+        b, o, added_to_pickle(_KEY + b"ctorch\nFloatStorage\n)R")
+    ),
+    # a 1-byte storage's: sizes alone cannot tell (the fuzzer's case)
+    "a persistent id naming a builder as its storage class": lambda b, o: rewrite_records(
+        saved(b, {"mask": torch.ones(3, dtype=torch.bool)}),
+        o,
+        renamed_global(b"torch\nBoolStorage", b"torch._utils\n_rebuild_parameter"),
+    ),
     "compression method 1": lambda b, o: patch_central(b, o, "/data/0", 10, "<H", 1),
     "encrypted flag": lambda b, o: patch_central(b, o, "/data/0", 8, "<H", 1),
     "stored record with sizes that differ": lambda b, o: patch_central(b, o, "/data/0", 20, "<I", 7),
@@ -355,3 +390,64 @@ def test_each_tensor_is_found_once_however_many_paths_reach_it() -> None:
     assert [(where(), t is tensor) for where, t in found] == [
         ("d[1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][1][0]", True)
     ]
+
+
+def test_one_record_declared_as_two_storage_types_is_refused(tmp_path: Path) -> None:
+    """torch reads a record once, as its first reference declares it: a second reference as
+    int32 gets float32 values. ckptkit refuses rather than give either."""
+    base = saved(tmp_path / "base.pt", {"a": torch.arange(6.0), "b": torch.arange(6, dtype=torch.int32)})
+    second_key = b"X\x01\x00\x00\x001"  # BINUNICODE "1": b's storage key
+    bad = rewrite_records(
+        base,
+        tmp_path / "bad.pt",
+        lambda n, d: (n, d.replace(second_key, b"X\x01\x00\x00\x000") if n.endswith("/data.pkl") else d),
+    )
+    assert torch.load(bad, weights_only=True)["b"].dtype == torch.float32  # not the int32 the pickle says
+    report = ckptkit.verify_checkpoint(bad)
+    assert not report.ok and any("declared as" in c.detail for c in report.checks if not c.ok), report.checks
+    with pytest.raises(
+        ckptkit.errors.CheckpointFormatError, match="storage 0 is declared as 6 of FloatStorage and as 6 of IntStorage"
+    ):
+        ckptkit.read_checkpoint(bad)
+
+
+def _legacy(path: Path) -> tuple[bytes, list[str], int]:
+    """A legacy-format file's bytes, its stored storage keys, and where its storages begin."""
+    torch.save(
+        {"w": torch.arange(6.0), "view": torch.arange(6.0)[2:], "b": torch.ones(2)},
+        path,
+        _use_new_zipfile_serialization=False,
+    )
+    data, at = path.read_bytes(), 0
+    for _ in range(5):  # magic, protocol, system info, the object, the list of stored keys
+        at = next(pos for op, _, pos in pickletools.genops(data[at:]) if op.name == "STOP") + at + 1
+    keys = pickle.loads(data[next(i for i in range(at - 1, 0, -1) if data[i : i + 1] == b"\x80") : at])
+    return data, keys, at
+
+
+def _fresh_key(keys: list[str]) -> str:
+    return keys[0][:-1] + ("0" if keys[0][-1] != "0" else "1")
+
+
+LEGACY_DAMAGE: dict[str, Callable[[bytes, list[str], int], bytes]] = {
+    # torch gives the tensor uninitialised memory: the fuzzer found values that differ run to run
+    "a storage the pickle uses but the file does not store": lambda d, k, at: d.replace(
+        k[0].encode(), _fresh_key(k).encode(), 1
+    ),
+    "a stored element count other than declared": lambda d, k, at: d[:at] + (99).to_bytes(8, "little") + d[at + 8 :],
+    "truncated in the last storage": lambda d, k, at: d[:-3],
+}
+
+
+@pytest.mark.parametrize("damage", sorted(LEGACY_DAMAGE))
+def test_a_legacy_file_torch_cannot_load_as_saved_is_refused(tmp_path: Path, damage: str) -> None:
+    data, keys, at = _legacy(tmp_path / "base.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(LEGACY_DAMAGE[damage](data, keys, at))
+    report = ckptkit.verify_checkpoint(bad)
+    assert not report.ok and "cannot load it as saved" in " ".join(c.detail for c in report.checks), report.checks
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="holds no checksums"):
+        ckptkit.read_checkpoint(bad)
+    result = CliRunner().invoke(main, ["convert", str(bad), str(tmp_path / "out.safetensors")])
+    assert result.exit_code == 1 and result.stderr.startswith("ckptkit: error: "), result.output
+    assert not (tmp_path / "out.safetensors").exists()

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import uuid
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,26 @@ def test_convert_to_an_existing_folder_says_folder(fixtures_dir: Path, tmp_path:
     assert "folder" in lines[0] and "notes.txt" in lines[0]
     assert "suffix" not in lines[0]
     assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors", "notes.txt"]
+
+
+def test_a_model_only_copy_says_which_records_it_never_read(tmp_path: Path) -> None:
+    """Records a model-only copy leaves behind are not read, so not checked: a damaged one is not
+    published, and the report names them and the command that checks them."""
+    model = torch.nn.Linear(3, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    src = tmp_path / "train.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, src)
+    with zipfile.ZipFile(src) as z:
+        exp_avg = next(i for i in z.infolist() if i.filename.endswith("/data/2"))
+    data = bytearray(src.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, exp_avg.header_offset + 26)  # the local header's
+    data[exp_avg.header_offset + 30 + name_len + extra_len] ^= 0x01  # a bit of the optimizer's exp_avg
+    src.write_bytes(bytes(data))
+    assert not ckptkit.verify_checkpoint(src).ok
+    report = ckptkit.convert_checkpoint(src, tmp_path / "model.safetensors", model_only=True)
+    assert report.unread == [f"train/data/{k}" for k in range(2, 8)]
+    assert any("not read, so not checked" in n and f"verify_checkpoint('{src}')" in n for n in report.notes)
+    code, _, err = run("convert", src, tmp_path / "all.pt")  # everything written: everything read
+    assert code == 1 and "train/data/2" in err and not (tmp_path / "all.pt").exists()

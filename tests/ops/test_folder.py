@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import ckptkit
+from ckptkit.errors import CheckpointFormatError
 from ckptkit.io.atomic import TMP_SUFFIX
 from ckptkit.training.rng import capture_rng_state, restore_rng_state
 from fixtures.models import TiedLM, TinyNet
+from tests import not_regular
 from tests.conftest import ROOT
 
 
@@ -347,6 +349,16 @@ def test_open_latest_skips_a_torn_file_and_says_none_for_an_empty_folder(tmp_pat
     (tmp_path / "latest").write_text("step_000000002.pt\n")
     with folder.open_latest() as path:
         assert path is not None and _step_in(path) == 1
+
+
+def test_open_latest_refuses_a_fifo_named_latest_instead_of_waiting_on_it(tmp_path: Path) -> None:
+    folder = ckptkit.CheckpointFolder(tmp_path, keep=None)
+    fill(folder, [1])
+    os.mkfifo(tmp_path / "step_000000002.pt")
+    (tmp_path / "latest").write_text("step_000000002.pt\n")
+    with not_regular.deadline(), pytest.raises(CheckpointFormatError, match="is a FIFO, not a regular"):
+        with folder.open_latest():
+            pass
 
 
 def test_every_reader_opens_a_checkpoints_folder_and_its_latest_as_the_checkpoint_named(tmp_path: Path) -> None:

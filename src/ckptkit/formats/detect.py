@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..io.fileio import open_regular
 
 HEAD = 16  # bytes each file signature is shown
 
@@ -62,12 +63,14 @@ def sniff(path: str | os.PathLike[str], among: Sequence[Signature]) -> Signature
 
     Raises:
         CheckpointNotFoundError: nothing is at ``path``.
+        CheckpointFormatError: a FIFO, device or socket is at ``path``, or a file this user may
+            not read.
     """
     p = check_exists(path)
     folder = p.is_dir()
     head = b""
     if not folder:
-        with open(p, "rb") as f:
+        with open_regular(p) as f:  # never a plain open: a FIFO would block it
             head = f.read(HEAD)
     return next((s for s in among if s.folder in (None, folder) and s.matches(p, head)), None)
 
@@ -89,10 +92,9 @@ def detect_format(path: str | os.PathLike[str], among: Sequence[Signature]) -> s
         marks = [s.looks_for for s in among if s.folder is not False and s.looks_for]
         listed = ", ".join(marks[:-1]) + (" or " if len(marks) > 1 else "") + marks[-1] if marks else "a checkpoint"
         raise CheckpointFormatError(f"{p}: is a folder without {listed}; give a file")
-    size = p.stat().st_size
-    if size == 0:
-        raise CheckpointFormatError(f"{p}: file is empty")
-    with open(p, "rb") as f:
+    with open_regular(p) as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise CheckpointFormatError(f"{p}: file is empty")
         head = f.read(8)
     kinds = [s.what for s in among]
     expected = ", ".join(kinds[:-1]) + (", or " if len(kinds) > 1 else "") + kinds[-1]

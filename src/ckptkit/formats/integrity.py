@@ -35,7 +35,7 @@ from .safetensors.codec import (
 )
 from .safetensors.detect import SAFETENSORS
 from .torchzip import modulepickle as mp
-from .torchzip.bounds import storage_problem, tensor_problems, tensors_in
+from .torchzip.bounds import StorageFit, tensor_problems, tensors_in
 from .torchzip.container import Record, TorchZip
 from .torchzip.detect import ZIP
 
@@ -79,20 +79,14 @@ def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> 
         bad = [r.name for r in z.records if record_crc(z, r, progress) != r.crc]
         detail = f"damaged: {summarize(bad)}" if bad else f"{len(z.records)} records match"
         checks.append(Check("CRC-32 of every record", "integrity", not bad, detail))
-    problems: list[str] = []
-
-    def fits(ref: tp.StorageRef) -> None:
-        why = storage_problem(ref, z)
-        if why is not None:
-            problems.append(why)
-
+    fit = StorageFit(z)
     data = z.read(f"{z.prefix}data.pkl")
     try:
-        obj, safe = tp.loads(data, on_storage=fits), "only tensors, containers and plain values"
+        obj, safe = tp.loads(data, on_storage=fit), "only tensors, containers and plain values"
     except tp.UnsupportedGlobal:
         try:
-            problems.clear()  # read again from the start
-            module = mp.read_module(data, on_storage=fits)
+            fit = StorageFit(z)  # read again from the start
+            module = mp.read_module(data, on_storage=fit)
             obj, safe = (
                 module.state,
                 f"a pickled {module.description} module: its state_dict() is read without running the pickle",
@@ -101,13 +95,13 @@ def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> 
             detail = f"a pickled {e.description} module that calls or names {summarize(e.names)}, beyond what its state_dict() needs"
             return [*checks, Check("safe to load", "safety", False, detail, tuple(e.names))], False
         except (mp.NotAModule, mp.Unmodelled):
-            if problems:  # what was read before the global already shows damage
-                checks.append(Check("storages fit their records", "integrity", False, summarize(problems, 3)))
+            if fit.problems:  # what was read before the global already shows damage
+                checks.append(Check("storages fit their records", "integrity", False, summarize(fit.problems, 3)))
             return checks, True
         except CheckpointFormatError as why:  # as the readers say it
             raise CheckpointFormatError(f"pickled module: {why}") from None
     checks.append(Check("safe to load", "safety", True, safe))
-    problems += tensor_problems(obj, z)
+    problems = fit.problems + tensor_problems(obj, z)
     detail = summarize(problems, 3) if problems else "all in bounds"
     checks.append(Check("tensors fit their storages", "integrity", not problems, detail))
     return checks, False

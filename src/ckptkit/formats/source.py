@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointFormatError
-from ..io.fileio import copy_range
+from ..io.fileio import copy_range, open_regular
 from .dtypes import BY_SAFETENSORS
 from .entry import Bytes, Entry
 from .hf.detect import HF, shard_format
@@ -73,6 +73,7 @@ class Source:
     module: str = ""  # a whole pickled module's class (``DataParallel(ToyCNN)``): obj is its state_dict()
     damage: Damage = field(init=False)
     _checked: set[Any] = field(default_factory=set)  # views' storages whose whole record was CRC'd
+    _read: set[tuple[int, str]] = field(default_factory=set)  # (id(part), record name) copied
 
     def __post_init__(self) -> None:
         self.damage = Damage(str(self.path), self._name)
@@ -207,6 +208,8 @@ class Source:
                 )  # a view: the zip's CRC-32 is its whole storage's, checked once
                 self.damage.check(key, key[1].crc, record_crc(part.zip, key[1]))
             assert part.file is not None  # a part is one open file
+            if isinstance(key, tuple):
+                self._read.add((id(part), key[1].name))
             read = copy_range(part.file, f, offset, length, progress, crc=True)
             if crc is not None:
                 self.damage.check(key, crc, read)
@@ -217,10 +220,21 @@ class Source:
     def _inflated(self, rec: Record) -> Any:
         def copy(f: BinaryIO, progress: Any) -> None:
             assert self.zip is not None and self.file is not None
+            self._read.add((id(self), rec.name))
             copy_range(self.file, f, rec.data_offset, rec.compressed_size, progress)
             self.damage.check((self, rec), rec.crc, record_crc(self.zip, rec))  # None: bytes that do not inflate
 
         return copy
+
+    def unread(self) -> list[str]:
+        """The zip storage records no copy read (``file:record`` in a sharded source)."""
+        return [
+            rec.name if part is self else f"{part.path.name}:{rec.name}"
+            for part in self.parts or [self]
+            if part.zip is not None
+            for rec in part.zip.records
+            if rec.name.startswith(f"{part.zip.prefix}data/") and (id(part), rec.name) not in self._read
+        ]
 
     def _name(self, key: StRef | tuple[Source, Record]) -> str:
         """A mismatch named by where its tensors are (``fc1.weight``, and the shard of a sharded
@@ -253,7 +267,7 @@ def open_source(path: Path, fmt: str) -> Source:
         return _open_shards(read_index(path))
     if fmt not in (ZIP, SAFETENSORS):
         raise NeedsTorch(f"{fmt} input")
-    f = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed by its user
+    f = open_regular(path)  # owned by the Source, closed by its user
     try:
         return _read_source(path, fmt, f)
     except BaseException:

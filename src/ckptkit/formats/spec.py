@@ -117,6 +117,11 @@ class View(Protocol):
         format itself says (a ZeRO folder; a Trainer folder), else None."""
         ...
 
+    def unread(self) -> list[str]:
+        """After a copy: the source's checksummed records that it never read (what a model-only
+        copy leaves behind, such as optimizer state), so never checked; ``verify`` checks them."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -150,6 +155,9 @@ class EntryView:
 
     def records(self) -> None:
         return None
+
+    def unread(self) -> list[str]:
+        return []
 
     @staticmethod
     def entry_info(name: str, t: Any) -> tuple[TensorInfo, Any, int]:

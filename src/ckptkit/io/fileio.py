@@ -1,4 +1,5 @@
-"""File primitives every format shares: bounded reads, checked copies (the kernel's: :mod:`.kcopy`), CRC-32.
+"""File primitives every format shares: opening a checkpoint's files (regular files only), bounded
+reads, checked copies (the kernel's: :mod:`.kcopy`), CRC-32.
 
 The CRC-32 function lives here alone, so every reader and writer checks bytes the same way.
 It is ISA-L's (the ``isal`` package, ~6x ``zlib.crc32`` on x86-64 with PCLMUL; BENCHMARKS.md),
@@ -9,12 +10,14 @@ the same values.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from .helper import in_background
 from .kcopy import NoKernelCopy, copy_file_range, start_writeback
 
@@ -37,6 +40,125 @@ def crc32(data: Any, value: int = 0) -> int:
         '0xcbf43926'
     """
     return _crc32(data, value)
+
+
+_KINDS = (  # what may sit where a file was expected, as messages name it
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: str | os.PathLike[str], *, folder: str | os.PathLike[str] | None = None) -> BinaryIO:
+    """Open ``path`` for reading where it is a regular file, or a symlink to one (the Hugging Face
+    cache links every file); else raise, saying what is there instead.
+
+    Every file a checkpoint folder names is opened here. What sits under such a name may be
+    anything: a plain ``open`` of a FIFO waits for a writer that never comes, ``/dev/zero`` reads
+    without end, a folder or a symlink loop raises a bare OSError. So nothing but a regular file
+    is opened as one: a device is refused from ``stat`` before it is opened (opening one may act),
+    the open does not block (a FIFO opens at once), and what was opened is judged again by
+    ``fstat``, so a file swapped in meanwhile is judged too. The file is handed back blocking.
+
+    Args:
+        path: the file.
+        folder: the checkpoint folder whose file it is (the fix then names it); None for a path
+            given as the checkpoint itself.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        CheckpointFormatError: a folder, FIFO, device or socket is there, or a symlink that leads
+            nowhere (a loop, a missing target), or a file this user may not read.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as t, open_regular(t.name) as f:
+        ...     f.read()
+        b''
+        >>> open_regular("/dev/null")
+        Traceback (most recent call last):
+        ckptkit.errors.CheckpointFormatError: /dev/null: is a character device, not a regular file; give a checkpoint file (copy what it holds to a file first)
+    """
+    require_regular(path, folder=folder)  # a device is never opened: opening one may act
+    try:
+        f = open(path, "rb", opener=_nonblocking)  # noqa: SIM115 - the caller's to close
+    except OSError as e:
+        raise _refusal(path, e, folder) from e
+    try:
+        _refuse_unless_regular(path, os.fstat(f.fileno()), folder)
+        os.set_blocking(f.fileno(), True)  # a regular file reads alike either way; its users expect blocking
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def require_regular(path: str | os.PathLike[str], *, folder: str | os.PathLike[str] | None = None) -> None:
+    """Raise as :func:`open_regular` does unless ``path`` is a regular file (or a symlink to one);
+    nothing is opened: for a check of a folder's files before any is read.
+
+    Example:
+        >>> require_regular("/dev/null", folder="/dev")
+        Traceback (most recent call last):
+        ckptkit.errors.CheckpointFormatError: /dev/null: is a character device, not a regular file; restore the file the writer saved there from a complete copy of /dev
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise _refusal(path, e, folder) from e
+    _refuse_unless_regular(path, st, folder)
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    # O_NOCTTY: a terminal swapped in after the stat check must not become this process's own
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+
+
+def _refuse_unless_regular(
+    path: str | os.PathLike[str], st: os.stat_result, folder: str | os.PathLike[str] | None
+) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        found = next((kind for test, kind in _KINDS if test(st.st_mode)), f"file type {stat.S_IFMT(st.st_mode):o}")
+        raise CheckpointFormatError(f"{path}: is {found}, not a regular file; {_fix(folder)}")
+
+
+def _refusal(path: str | os.PathLike[str], e: OSError, folder: str | os.PathLike[str] | None) -> Exception:
+    """The ckptkit error for an OSError from stat or open of ``path``; ``e`` itself where the
+    system, not the path, failed (out of descriptors, an I/O error)."""
+    if e.errno == errno.ENOENT and os.path.islink(path):
+        found = f"a dangling symlink (to {_target(path)!r}, which does not exist)"
+    elif e.errno == errno.ELOOP:
+        found = "a symlink loop (or a chain of over 40 symlinks)"
+    elif e.errno == errno.EISDIR:  # a folder swapped in between the stat and the open
+        found = "a folder"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        return CheckpointFormatError(
+            f"{path}: cannot be read (permission denied); give the user running ckptkit read access to it "
+            "and to its folders"
+        )
+    elif e.errno in (errno.ENOENT, errno.ENOTDIR):
+        fix = "" if folder is None else f"; {_fix(folder)}"
+        return CheckpointNotFoundError(f"{path}: no such file{fix}", filename=os.fspath(path))
+    elif e.errno == errno.ENXIO:  # a socket, or a device without its driver
+        found = "a socket or device"
+    else:
+        return e
+    return CheckpointFormatError(f"{path}: is {found}, not a regular file; {_fix(folder)}")
+
+
+def _target(link: str | os.PathLike[str]) -> str:
+    try:
+        return os.readlink(link)
+    except OSError:  # replaced since: its name is all the message needs
+        return "?"
+
+
+def _fix(folder: str | os.PathLike[str] | None) -> str:
+    if folder is None:
+        return "give a checkpoint file (copy what it holds to a file first)"
+    return f"restore the file the writer saved there from a complete copy of {folder}"
 
 
 class ClampedReader:

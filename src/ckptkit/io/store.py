@@ -25,6 +25,7 @@ from typing import BinaryIO
 from ..errors import CheckpointNotFoundError, CkptkitError
 from . import remote, upload
 from .atomic import atomic_write, remove_stale_temps, temp_path
+from .fileio import open_regular
 
 # A checkpoints folder's pointer (CheckpointFolder writes it): a small file naming the newest
 # committed checkpoint beside it. DeepSpeed's ``latest`` names a tag folder instead: not followed.
@@ -80,7 +81,7 @@ class Local:
             CheckpointNotFoundError: the file is not there (any more).
         """
         try:
-            source = open(self.path, "rb")  # holds the file: removing its name now frees nothing
+            source = open_regular(self.path, folder=self.path.parent)  # held: removing its name now frees nothing
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.spelled}: no such file (removed)", filename=self.spelled) from None
         with source, self._pin_place() as local:

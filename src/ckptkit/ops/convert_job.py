@@ -48,6 +48,9 @@ class TorchView:
     def name(self) -> str:
         return str(self.path)
 
+    def unread(self) -> list[str]:
+        return []  # torch read every byte
+
     @property
     def nbytes(self) -> int:
         return checkpoint_bytes(self.path, self.fmt.name)
@@ -144,6 +147,12 @@ class Job:
             )
         torch_read = isinstance(view, TorchView)
         notes += view.notes + (self.casting.notes() if self.casting else [])
+        if unread := view.unread():
+            every = spell(f"verify_checkpoint({str(self.source)!r})", f"ckptkit verify {self.source}")
+            notes.append(
+                f"{len(unread)} source record(s) not written were not read, so not checked ({summarize(unread, 3)}); "
+                f"{every} checks every record"
+            )
         if self.sanitize and not torch_read:
             notes.append("sanitize: nothing to change (the weights were read without unpickling anything)")
         elif self.sanitize:
@@ -178,6 +187,7 @@ class Job:
             pickled_module=view.pickled_module,
             cast=list(self.casting.names) if self.casting else [],
             sanitized=self.sanitized,
+            unread=unread,
         )
 
     def _write(self, view: View, obj: Any, state: Any) -> Any:

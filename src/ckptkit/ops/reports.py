@@ -39,6 +39,8 @@ class ConvertReport:
             what ``dtype`` cast, what ``sanitize`` changed).
         cast: with ``dtype``, the names of the tensors cast (as written).
         sanitized: with ``sanitize``, each change, ``"key/path: what -> what"``.
+        unread: the source's checksummed records not copied, so not read nor checked (the
+            optimizer state a model-only copy leaves behind); ``verify`` checks every one.
     """
 
     source: str
@@ -61,6 +63,7 @@ class ConvertReport:
     pickled_module: str = ""
     cast: list[str] = field(default_factory=list)
     sanitized: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from ...errors import CheckpointFormatError, summarize
+from ...errors import CheckpointFormatError, CheckpointNotFoundError, summarize
 from ...io.crcmath import crc32_combine
-from ...io.fileio import Progress, copy_range, crc32, crc_of_range, write_checked
+from ...io.fileio import Progress, copy_range, crc32, crc_of_range, open_regular, write_checked
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Check, Damage
@@ -271,8 +271,8 @@ def _file(src: DcpSource, name: str) -> BinaryIO:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointFormatError(f"{src.folder}/.metadata: stores bytes in {name!r}, outside the folder")
         try:
-            src.files[name] = open(path, "rb")  # noqa: SIM115 - owned by the source, closed by its user
-        except FileNotFoundError as e:
+            src.files[name] = open_regular(path, folder=src.folder)  # owned by the source, closed by its user
+        except CheckpointNotFoundError as e:
             raise CheckpointFormatError(f"{src.folder}: .metadata stores bytes in {name}, which is missing") from e
         src.sizes[name] = os.fstat(src.files[name].fileno()).st_size
     return src.files[name]
@@ -316,7 +316,7 @@ def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[tuple[Piece, .
     chunks, runs = chunks_in_order(src.folder, e, unit=BY_NAME[e.dtype].itemsize)  # in bytes
     for c in chunks:
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
-        z, view = _zip(src, c.stored, f"tensor {e.fqn}: {what}")
+        z, view = _zip(src, c.stored, f"tensor {e.fqn}'s {what}")
         t = _chunk_tensor(src, z, e, c, what, seen)
         rec = z.storage(t.storage.key)
         if rec.method != 0 or t.byte_range() != (0, rec.size):

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Literal
 
 from ...errors import ArgumentError, CheckpointFormatError, spell
 from ...io.crcmath import crc32_combine
-from ...io.fileio import Progress, copy_range, crc32, crc_of_range, write_checked
+from ...io.fileio import Progress, copy_range, crc32, crc_of_range, open_regular, write_checked
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Damage, tensors_named
@@ -86,8 +86,10 @@ class RecordDamage(Damage):
         super().__init__(str(src.folder), src.name_record)
         self._src = src
         self._pieces: dict[tuple[int, str], tuple[Record, dict[int, tuple[int, int]]]] = {}
+        self.copied: set[tuple[int, str]] = set()  # (file, record): read whole, for its CRC-32
 
     def seen(self, piece: rb.Piece, crc: int) -> None:
+        self.copied.add((piece.file, piece.record.name))
         _, spans = self._pieces.setdefault((piece.file, piece.record.name), (piece.record, {}))
         spans[piece.start - piece.record.data_offset] = (piece.length, crc)
 
@@ -130,6 +132,7 @@ class DsSource(EntryView):
     obj: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     files: list[BinaryIO] = field(default_factory=list)
     paths: list[Path] = field(default_factory=list)
+    zips: list[TorchZip] = field(default_factory=list)
     damage: RecordDamage = field(init=False)
     leaf_type = DsTensor
 
@@ -165,6 +168,15 @@ class DsSource(EntryView):
         """Source bytes the tensors are copied from (what progress is measured against)."""
         unique = {id(t): t for t in self.obj.values()}.values()
         return sum(p.length for t in unique for p in t.spec.pieces)
+
+    def unread(self) -> list[str]:
+        """The rank files' storage records no copy touched (``file:record``), so never checked."""
+        return [
+            f"{self.paths[i].name}:{rec.name}"
+            for i, z in enumerate(self.zips)
+            for rec in z.records
+            if rec.name.startswith(f"{z.prefix}data/") and (i, rec.name) not in self.damage.copied
+        ]
 
     def close(self) -> None:
         for f in self.files:
@@ -238,10 +250,11 @@ def open_deepspeed(path: str | os.PathLike[str], *, zero_weights: ZeroWeights = 
 
 
 def _open(src: DsSource, p: Path) -> tuple[int, TorchZip, Any]:
-    f = open(p, "rb")  # noqa: SIM115 - owned by the source, closed by its user
+    f = open_regular(p, folder=src.layout.folder)  # owned by the source, closed by its user
     src.files.append(f)
     src.paths.append(p)
     z = TorchZip(p, file=f)
+    src.zips.append(z)
     return len(src.files) - 1, z, read_pickle(z)
 
 

@@ -14,16 +14,18 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 from ...errors import PARSE_ERRORS
+from ...io.fileio import open_regular
 from ..producers import Producer
 from .detect import HF_INDEXES, HF_SINGLE
 from .index import HF_FILE
 
 _STEP = re.compile(r"^checkpoint-(\d+)$")
-_MAX_JSON = 1_000_000  # trainer_state.json holds a log line per logging step; a bigger one is only listed
+_MAX_JSON = 1_000_000  # trainer_state.json holds a log line per logging step; a bigger JSON file is only listed
 # What each file the Trainer (Trainer._save_checkpoint) writes beside the model holds.
 TRAINER_FILES = {
     "optimizer.pt": "optimizer state (torch.save of optimizer.state_dict())",
@@ -75,23 +77,17 @@ def _holds(name: str, table: dict[str, str]) -> str:
     return "model weights (read as the checkpoint)" if HF_FILE.match(name) else ""
 
 
-def _trainer_state(folder: Path) -> dict[str, object]:
-    path = folder / "trainer_state.json"
+def _json(folder: Path, name: str) -> dict[str, object]:
+    """The JSON object in ``folder/name``; empty where there is none, or it is too big, not a
+    regular file or not an object: such a file is listed, not trusted."""
     try:
-        if path.stat().st_size > _MAX_JSON:
-            return {}
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except PARSE_ERRORS:  # an unreadable state file is listed, not trusted
+        with open_regular(folder / name, folder=folder) as f:
+            if os.fstat(f.fileno()).st_size > _MAX_JSON:
+                return {}
+            found = json.loads(f.read().decode("utf-8"))
+    except PARSE_ERRORS:  # ckptkit's refusals too: each is a ValueError or an OSError
         return {}
-    return state if isinstance(state, dict) else {}
-
-
-def _config(folder: Path) -> dict[str, object]:
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except PARSE_ERRORS:  # no config, or not one: nothing to say about the architecture
-        return {}
-    return config if isinstance(config, dict) else {}
+    return found if isinstance(found, dict) else {}
 
 
 def describe_folder(folder: Path) -> Producer | None:
@@ -105,7 +101,7 @@ def describe_folder(folder: Path) -> Producer | None:
     weights = _weights_files(folder)
     notes: list[str] = []
     if "trainer_state.json" in names or ("training_args.bin" in names and weights):
-        state = _trainer_state(folder)
+        state = _json(folder, "trainer_state.json")
         step = state.get("global_step")
         if not isinstance(step, int):
             m = _STEP.match(folder.name)
@@ -123,7 +119,7 @@ def describe_folder(folder: Path) -> Producer | None:
         what, name = "Hugging Face save_pretrained folder", "hf-pretrained"
     else:
         return None
-    config = _config(folder)
+    config = _json(folder, "config.json")
     if isinstance(arch := config.get("architectures"), list):
         what += f" ({', '.join(map(str, arch))})"
     if config.get("tie_word_embeddings") is True and weights:

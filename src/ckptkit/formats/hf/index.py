@@ -15,13 +15,15 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, spell, summarize
+from ...errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, CheckpointNotFoundError, spell, summarize
+from ...io.fileio import open_regular, require_regular
 from ..safetensors.codec import read_header
 from .detect import HF_INDEXES, HF_SINGLE
 
@@ -92,13 +94,15 @@ def read_index(path: str | Path) -> HfIndex:
     p = index_path(path)
     if p.name in HF_SINGLE:
         return _single(p)
-    size = p.stat().st_size
-    if size > MAX_INDEX_BYTES:
-        raise CheckpointFormatError(
-            f"{p}: {size} bytes is too big for a Hugging Face index (at most {MAX_INDEX_BYTES})"
-        )
+    with open_regular(p, folder=p.parent) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_INDEX_BYTES:
+            raise CheckpointFormatError(
+                f"{p}: {size} bytes is too big for a Hugging Face index (at most {MAX_INDEX_BYTES})"
+            )
+        data = f.read()
     try:
-        raw = json.loads(p.read_bytes().decode("utf-8"))
+        raw = json.loads(data.decode("utf-8"))
     except PARSE_ERRORS as e:  # RecursionError too: an index nested 100,000 deep
         raise CheckpointFormatError(f"{p}: a Hugging Face index must be JSON ({type(e).__name__}: {e})") from e
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
@@ -115,7 +119,12 @@ def read_index(path: str | Path) -> HfIndex:
     for shard in index.shards:
         if shard in ("", ".", "..") or "/" in shard or "\\" in shard:  # the shards lie beside their index
             raise CheckpointFormatError(f"{p}: shard {shard!r} is not a file name in the index's folder")
-    missing = [s for s in index.shards if not (index.folder / s).is_file()]
+    missing = []
+    for shard in index.shards:
+        try:
+            require_regular(index.folder / shard, folder=index.folder)  # raises for a FIFO, folder, loop ...
+        except CheckpointNotFoundError:  # ... and leaves plain absence to be listed with the others
+            missing.append(shard)
     if missing:
         raise CheckpointFormatError(f"{p}: names shard(s) missing from {index.folder}: {summarize(missing)}")
     return index
@@ -126,7 +135,7 @@ def _single(p: Path) -> HfIndex:
     huggingface_hub records tied tensors then), or nothing yet for a pickle."""
     if p.suffix != ".safetensors":
         return HfIndex(p, {}, {}, single=True)
-    with open(p, "rb") as f:
+    with open_regular(p, folder=p.parent) as f:
         header, _ = read_header(f, source=str(p))
     metadata = header.pop("__metadata__", None) or {}
     return HfIndex(p, dict.fromkeys(header, p.name), metadata, single=True)

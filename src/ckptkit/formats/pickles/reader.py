@@ -65,12 +65,21 @@ class Global:
     def __init__(self, module: str, name: str) -> None:
         self.module, self.name = module, name
 
+    @property
+    def is_storage(self) -> bool:
+        """A storage class (``torch.FloatStorage``, ``torch.QInt8Storage``, ``torch.storage.UntypedStorage``)."""
+        return self.module in ("torch", "torch.storage") and self.name.endswith("Storage")
+
     def __call__(self, *args: Any) -> Any:
+        if self.is_storage or (self.module == "torch" and self.name in BY_NAME):
+            # torch's weights-only unpickler hands these back as markers it cannot call
+            raise CheckpointFormatError(f"pickle calls {self!r}, which torch's weights-only loader cannot call")
         if self.module == "torch._utils" and self.name in _ARITY:
             low, high = _ARITY[self.name]
             if not low <= len(args) <= high:
                 took = f"{low}" if low == high else f"{low} or {high}"
                 raise CheckpointFormatError(f"{self!r} called with {len(args)} arguments; it takes {took}")
+            _check_builder(self, args)
         if self.module == "torch._utils" and self.name in TENSOR_BUILDERS:
             return TensorRef(self, args)
         if self.module == "torch._utils" and self.name in PARAM_BUILDERS:
@@ -79,6 +88,30 @@ class Global:
 
     def __repr__(self) -> str:
         return f"{self.module}.{self.name}"
+
+
+def _check_builder(func: Global, args: tuple[Any, ...]) -> None:
+    """What torch's builders require of their arguments (torch._utils), beyond their number: a
+    storage (a tensor, for a parameter), an int offset, a bool requires_grad, which only a
+    floating-point or complex tensor may set."""
+    if func.name in PARAM_BUILDERS:
+        data, requires_grad = args[0], args[1]
+        if not isinstance(data, TensorRef):
+            raise CheckpointFormatError(f"{func!r} called on a {type(data).__name__}, not a tensor")
+        dtype = data.dtype
+    else:
+        storage, offset, requires_grad = args[0], args[1], args[4]
+        if not isinstance(storage, StorageRef):
+            raise CheckpointFormatError(f"{func!r} called on a {type(storage).__name__}, not a storage")
+        if type(offset) is not int:
+            raise CheckpointFormatError(f"{func!r} called with storage offset {offset!r:.40}; torch needs an int")
+        dtype = TensorRef(func, args).dtype
+    if type(requires_grad) is not bool:
+        raise CheckpointFormatError(f"{func!r} called with requires_grad {requires_grad!r:.40}; torch needs a bool")
+    if requires_grad and not dtype.startswith(("float", "bfloat", "complex")):
+        raise CheckpointFormatError(
+            f"{func!r} sets requires_grad on a {dtype} tensor; torch allows it only for floating-point and complex ones"
+        )
 
 
 class Call:
@@ -289,7 +322,13 @@ class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         return self._globals.setdefault((module, name), Global(module, name))
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage" and isinstance(pid[1], Global)):
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) >= 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], Global)
+            and pid[1].is_storage
+        ):
             raise CheckpointFormatError(f"unexpected persistent id {pid!r:.80}")
         ref = StorageRef(pid)
         if self._on_storage is not None:

@@ -33,8 +33,10 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
     if fmt == ZIP:
         z = TorchZip(p, file=file)
 
+        fit = StorageFit(z)
+
         def check_zip(ref: lp.StorageRef) -> None:
-            why = storage_problem(ref, z)
+            why = fit.problem(ref)
             if why is not None:
                 raise CheckpointFormatError(f"{p}: {why}")
 
@@ -42,18 +44,21 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
         _walk(source, check_zip)
     elif fmt == LEGACY:
         size = os.fstat(file.fileno()).st_size
+        first: dict[str, lp.StorageRef] = {}
 
         def check_legacy(ref: lp.StorageRef) -> None:
             if lp.storage_nbytes(ref) > size:
                 raise CheckpointFormatError(
                     f"{p}: storage {ref.key} declares {lp.storage_nbytes(ref)} bytes, more than the whole file ({size})"
                 )
+            first.setdefault(ref.key, ref)
 
         file.seek(0)
         reader = ClampedReader(file)
         for _ in range(3):  # magic number, protocol version, system info: plain values
             _walk(reader, None)
-        _walk(reader, check_legacy)
+        if _walk(reader, check_legacy):
+            _legacy_storages(p, reader, first, size)
 
 
 def storage_problem(ref: lp.StorageRef, z: TorchZip) -> str | None:
@@ -69,11 +74,87 @@ def storage_problem(ref: lp.StorageRef, z: TorchZip) -> str | None:
     return f"storage {ref.key} declares {need} bytes but its record holds {rec.size}"
 
 
-def _walk(source: object, check: object) -> None:
+class StorageFit:
+    """An ``on_storage`` callback holding each storage the pickle declares against its zip record,
+    as the pickle is read; what does not fit is collected in ``problems``.
+
+    torch reads a record once, as its first reference declares it, and gives every later
+    reference that storage: a later one declaring another type or size would get other values
+    than it says (or none), so it is refused here.
+
+    Example:
+        >>> fit = StorageFit(z)  # doctest: +SKIP
+        >>> lp.loads(z.read(f"{z.prefix}data.pkl"), on_storage=fit); fit.problems  # doctest: +SKIP
+        []
+    """
+
+    def __init__(self, z: TorchZip) -> None:
+        self.z = z
+        self.problems: list[str] = []
+        self._first: dict[str, lp.StorageRef] = {}
+
+    def __call__(self, ref: lp.StorageRef) -> None:
+        why = self.problem(ref)
+        if why is not None:
+            self.problems.append(why)
+
+    def problem(self, ref: lp.StorageRef) -> str | None:
+        """Why ``ref`` does not fit (see :func:`storage_problem`), or None."""
+        first = self._first.setdefault(ref.key, ref)
+        if first is not ref and (first.type_name, first.pid[4]) != (ref.type_name, ref.pid[4]):
+            return (
+                f"storage {ref.key} is declared as {first.pid[4]!r:.20} of {first.type_name} and as "
+                f"{ref.pid[4]!r:.20} of {ref.type_name}; torch would read both as the first"
+            )
+        return storage_problem(ref, self.z)
+
+
+def _walk(source: object, check: object) -> bool:
+    """Read one pickle through the stand-ins; False where it names a global they do not model."""
     try:
         lp.loads(source, on_storage=check)  # type: ignore[arg-type]
     except lp.UnsupportedGlobal:
-        return
+        return False
+    return True
+
+
+_NOT_AS_SAVED = (
+    "; torch cannot load it as saved, and as the legacy format holds no checksums, ckptkit cannot tell "
+    "whether it is truncated, damaged or written by something else"
+)
+
+
+def _legacy_storages(p: Path, reader: ClampedReader, used: dict[str, lp.StorageRef], size: int) -> None:
+    """What torch's legacy loader requires after the pickle: the list of stored keys, then each
+    storage as an 8-byte element count and its bytes, in that order. A key the pickle uses but the
+    file does not store gets uninitialised memory from torch, and one it stores but the pickle never
+    uses fails its load: both are refused, as is a count other than the pickle declares."""
+    keys = lp.loads(reader)  # type: ignore[arg-type]  # a file, clamped
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise CheckpointFormatError(f"{p}: the list of stored storages is a {type(keys).__name__}, not a list of keys")
+    missing = sorted(set(used) - set(keys))
+    extra = sorted(set(keys) - set(used))
+    if missing or extra or len(set(keys)) != len(keys):
+        what = (
+            f"storage(s) {summarize(missing, 3)} used but not stored"
+            if missing
+            else f"storage(s) {summarize(extra, 3)} stored but never used"
+            if extra
+            else "a storage stored twice"
+        )
+        raise CheckpointFormatError(f"{p}: {what}{_NOT_AS_SAVED}")
+    for key in keys:
+        head = reader.read(8)
+        count = int.from_bytes(head, "little", signed=True) if len(head) == 8 else -1
+        ref = used[key]
+        if count != ref.numel:
+            raise CheckpointFormatError(
+                f"{p}: storage {key} is stored with {count} elements, the pickle declares {ref.numel}{_NOT_AS_SAVED}"
+            )
+        end = reader.tell() + lp.storage_nbytes(ref)
+        if end > size:
+            raise CheckpointFormatError(f"{p}: storage {key} runs past the end of the file{_NOT_AS_SAVED}")
+        reader.seek(end)
 
 
 def tensors_in(obj: Any) -> list[tuple[Callable[[], str], lp.TensorRef]]:

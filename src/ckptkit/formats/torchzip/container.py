@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError, summarize
-from ...io.fileio import crc32
+from ...io.fileio import crc32, open_regular
 from .directory import LOCAL as _LOCAL
 from .directory import read_directory
 
@@ -36,6 +36,9 @@ class Record(NamedTuple):  # a tuple: a torch zip opened in a DCP folder makes h
     method: int
 
 
+_SMALL = 1 << 16  # a record outside data/ up to this size is read whole when the zip is opened
+
+
 class TorchZip:
     """The records of a torch zip checkpoint, in file order, with their data offsets.
 
@@ -47,7 +50,7 @@ class TorchZip:
     def __init__(self, path: str | os.PathLike[str], *, file: BinaryIO | None = None) -> None:
         self.path = Path(path)
         self._owns_file = file is None
-        self.file = file if file is not None else open(self.path, "rb")  # noqa: SIM115 - lives with self
+        self.file = file if file is not None else open_regular(self.path)  # lives with self
         try:
             self._open()
         except BaseException:
@@ -115,6 +118,9 @@ class TorchZip:
             raise CheckpointFormatError(
                 f"{self.path}: records outside the archive folder {self.prefix!r}: {summarize(stray)}"
             )
+        for rec in self.records:  # the small records torch reads and obeys: CRC-checked here, once
+            if not rec.name.startswith(f"{self.prefix}data/") and rec.size <= _SMALL:
+                self.read(rec.name)
         version = self._record(".data/version")
         version = self._record("version") if version is None else version
         if version is None:
@@ -124,14 +130,17 @@ class TorchZip:
             raise CheckpointFormatError(
                 f"{self.path}: version record says {version[:20]!r}; torch reads versions 1 to {MAX_FORMAT_VERSION}"
             )
-        self.byteorder = (self._record("byteorder") or b"little").decode("latin-1")
+        # an empty record is not a missing one: torch refuses b"" as a byte order and as a number
+        byteorder = self._record("byteorder")
+        self.byteorder = "little" if byteorder is None else byteorder.decode("latin-1")
         if self.byteorder not in ("little", "big"):
             raise CheckpointFormatError(f"{self.path}: byteorder record says {self.byteorder!r}, not little or big")
         try:  # torch decodes it when it loads
             (self._record(".data/serialization_id") or b"").decode("utf-8")
         except UnicodeDecodeError as e:
             raise CheckpointFormatError(f"{self.path}: .data/serialization_id is not text ({e})") from e
-        alignment = self._record(".storage_alignment") or b"64"
+        alignment = self._record(".storage_alignment")
+        alignment = b"64" if alignment is None else alignment
         try:
             self.alignment = max(1, int(alignment))
         except ValueError as e:  # torch.load fails on it the same way

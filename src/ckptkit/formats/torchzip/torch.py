@@ -60,7 +60,6 @@ from ...errors import (
 )
 from ...io.fileio import Progress
 from ..integrity import record_crc, zip_checks
-from ..pickles.reader import StorageRef
 from ..pickles.safety import (
     MODULE_WALK,
     AllowGlobals,
@@ -71,7 +70,7 @@ from ..pickles.safety import (
 )
 from ..spec import Placement, WritePlan
 from . import modulepickle as mp
-from .bounds import check_storage_bounds, storage_problem
+from .bounds import StorageFit, check_storage_bounds
 from .container import TorchZip
 from .detect import LEGACY
 from .writer import ZipWriter
@@ -298,13 +297,7 @@ def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) 
         CheckpointFormatError: a module pickle declaring a storage larger than its record (the
             bounds check stops at the first class, and torch allocates each storage as declared).
     """
-    problems: list[str] = []
-
-    def fits(ref: StorageRef) -> None:
-        why = storage_problem(ref, z)
-        if why is not None:
-            problems.append(why)
-
+    fits = StorageFit(z)
     try:
         mp.read_module(
             z.read(f"{z.prefix}data.pkl"), trust=trust, allow=[global_name(g) for g in allowed], on_storage=fits
@@ -320,8 +313,8 @@ def _holds_module(source: str, z: TorchZip, *, trust: bool, allowed: list[Any]) 
         if not trust:
             raise unmodelled_error(source, str(e)) from None
         modelled = False  # torch's loader builds the real module, and its state_dict() runs its code
-    if problems:
-        raise CheckpointFormatError(f"{source}: {summarize(problems, 2)}")
+    if fits.problems:
+        raise CheckpointFormatError(f"{source}: {summarize(fits.problems, 2)}")
     return modelled
 
 
