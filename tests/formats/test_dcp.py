@@ -1,5 +1,6 @@
 """Opening a DCP folder torch-free (``open_dcp``): each chunk zip read through two windows, each
-distinct chunk layout unpickled once, and nothing checked less than before.
+distinct chunk layout unpickled once, and nothing checked less than before; and a damaged
+``.metadata`` failing ``verify`` exactly where ``read_checkpoint`` (torch's reader) refuses it.
 
 The folders are written by ``torch.distributed.checkpoint`` itself; chunks are 16 KiB, so that
 a chunk's headers and its central directory fall in different windows.
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptkit import convert_checkpoint, read_checkpoint
+from ckptkit import convert_checkpoint, read_checkpoint, verify_checkpoint
 from ckptkit.errors import CheckpointFormatError
 from ckptkit.formats.dcp import stream as dcpstream
 from ckptkit.formats.dcp.meta import read_metadata
@@ -395,3 +396,309 @@ def test_dcp_output_on_a_full_disk_raises_a_write_error_from_the_library(tmp_pat
     with pytest.raises(CheckpointWriteError, match=f"no space left on the device holding {re.escape(str(small_disk))}"):
         convert_checkpoint(src, small_disk / "out_dcp", format="dcp")
     assert list(small_disk.iterdir()) == []
+
+
+# -- verify passes exactly what read_checkpoint reads: .metadata damage --------------------------
+# Each kind of damage is made on a folder torch saved, by editing its Metadata and pickling it again
+# (_Built and _Called write what no dataclass pickles to: a damaged file's opcodes). verify must fail
+# it and read_checkpoint refuse it, in one line; torch's own reader fails on each too, but for the
+# cases ckptkit refuses rather than guess (torch would read them, dropping or inventing values).
+
+
+class _Built:
+    """Pickles as ``cls`` created without its ``__init__`` and given ``state`` (NEWOBJ, BUILD)."""
+
+    def __init__(self, cls: type, state: Any) -> None:
+        self.cls, self.state = cls, state
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # pickle's check that NEWOBJ's class is the object's own
+        return self.cls
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        import copyreg
+
+        return (copyreg.__newobj__, (self.cls,), self.state)
+
+
+class _Called:
+    """Pickles as ``func(*args)`` (REDUCE)."""
+
+    def __init__(self, func: Any, *args: Any) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.func, self.args)
+
+
+def _damage_base(tmp_path: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "ckpt.dcp"
+    state = {
+        "model": {
+            "fc.weight": torch.arange(12.0).reshape(4, 3),
+            "half": torch.tensor([1.5, -2.0], dtype=torch.float16),
+        },
+        "step": 7,
+        "lst": [torch.ones(2), torch.zeros(3)],
+    }
+    dcp.save(state, checkpoint_id=str(folder), **SAVE_ALONE)
+    return folder
+
+
+def _edit_metadata(folder: Path, edit: Any) -> None:
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # a folder this test saved: DCP's classes only
+    edit(meta)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def _rename(meta: Any, old: str, new: str, *, path: bool = False) -> None:
+    """Key ``old`` renamed ``new`` everywhere but (unless ``path``) its planner_data path."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta.state_dict_metadata = {new if k == old else k: v for k, v in meta.state_dict_metadata.items()}
+    meta.planner_data = {new if k == old else k: v for k, v in meta.planner_data.items()}
+    meta.storage_data = {MetadataIndex(new, i.offset) if i.fqn == old else i: v for i, v in meta.storage_data.items()}
+    if path:
+        meta.planner_data[new] = tuple(new.split("."))
+
+
+def _reindex(meta: Any, fqn: str, offset: Any) -> None:
+    """``fqn``'s (first) stored item indexed by ``offset`` instead."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    index = next(i for i in meta.storage_data if i.fqn == fqn)
+    meta.storage_data[MetadataIndex(fqn, offset)] = meta.storage_data.pop(index)
+
+
+def _properties(*state: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    return _Built(TensorProperties, state)
+
+
+def _code(value: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    return _Called(_MEM_FORMAT_ENCODING, value)
+
+
+def _bytes_entry(meta: Any, fqn: str) -> None:
+    """``fqn``, a tensor, listed as a value (indexed as one), its bytes where its chunk's are."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    meta.state_dict_metadata[fqn] = BytesStorageMetadata()
+    index = next(i for i in meta.storage_data if i.fqn == fqn)
+    meta.storage_data[MetadataIndex(fqn)] = meta.storage_data.pop(index)
+
+
+def _drop(meta: Any, fqn: str) -> None:
+    del meta.state_dict_metadata[fqn], meta.planner_data[fqn]
+    meta.storage_data = {i: v for i, v in meta.storage_data.items() if i.fqn != fqn}
+
+
+def _chunk_info(meta: Any, fqn: str) -> Any:
+    return next(v for i, v in meta.storage_data.items() if i.fqn == fqn)
+
+
+def _move_chunk(meta: Any) -> None:
+    """model.half's chunk said to start 8 bytes into its torch.save zip."""
+    _chunk_info(meta, "model.half").offset += 8
+
+
+def _storage_meta_keyed_by_a_dataclass(meta: Any) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta.storage_meta.modules = {_Built(BytesStorageMetadata, {}): 1}  # unhashable where torch unpickles it
+
+
+def _chunk_fields(meta: Any) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    chunk = meta.state_dict_metadata["model.half"].chunks[0]
+    meta.state_dict_metadata["model.half"].chunks[0] = _Built(ChunkStorageMetadata, [chunk.offsets, chunk.sizes])
+
+
+# kind -> (the edit, what verify says, whether torch's own reader fails on it too)
+DAMAGE: dict[str, tuple[Any, str, bool]] = {
+    "a renamed path": (
+        lambda m: m.planner_data.update({"model.fc.weight": ("model", "cuda:0")}),
+        r"puts key 'model\.fc\.weight' at \('model', 'cuda:0'\), which torch's reader flattens back to key 'model\.cuda:0'",
+        True,
+    ),
+    "a renamed key": (
+        lambda m: _rename(m, "model.half", "modelYhalf"),
+        r"puts key 'modelYhalf' at \('model', 'half'\), which torch's reader flattens back to key 'model\.half'",
+        True,
+    ),
+    "a path holding a tuple": (
+        lambda m: m.planner_data.update({"model.half": (("model", "half"), "step", "step")}),
+        r"puts key 'model\.half' at \(\('model', 'half'\), 'step', 'step'\), not a path",
+        True,
+    ),
+    "a key inside another key's value": (  # torch reads it, dropping model.fc.weight and model.half
+        lambda m: _rename(m, "step", "model", path=True),
+        r"puts key 'model' at \('model',\), where the keys under model already is",
+        False,
+    ),
+    "a gap in a list": (
+        lambda m: _drop(m, "lst.0"),
+        r"fills list lst at \[1\] but not at 0, which torch's reader reads back as key 'lst\.0'",
+        True,
+    ),
+    "a list of plain values": (
+        lambda m: (_bytes_entry(m, "lst.0"), _bytes_entry(m, "lst.1")),
+        r"puts keys lst\.0, lst\.1 in list lst of plain values only",
+        True,
+    ),
+    "a negative size": (
+        lambda m: setattr(m.state_dict_metadata["model.fc.weight"], "size", torch.Size([4, -3])),
+        r"gives model\.fc\.weight's size as -3, below 0",
+        True,
+    ),
+    "a negative chunk offset": (
+        lambda m: setattr(m.state_dict_metadata["model.half"].chunks[0], "offsets", torch.Size([-1])),
+        r"gives model\.half's chunk offset as -1, below 0",
+        True,
+    ),
+    "a negative stored offset": (
+        lambda m: _reindex(m, "model.fc.weight", [-2, 0]),
+        r"gives model\.fc\.weight's stored chunk offset as -2, below 0",
+        True,
+    ),
+    "a value indexed by an offset": (
+        lambda m: _reindex(m, "step", []),
+        r"malformed: it lists step but not where its value is stored",
+        True,
+    ),
+    "properties of four values": (
+        lambda m: setattr(
+            m.state_dict_metadata["model.half"],
+            "properties",
+            _properties(torch.float16, torch.strided, False, _code(0)),
+        ),
+        r"TensorProperties hold 4 values; torch's reader unpacks 5",
+        True,
+    ),
+    "a memory-format code that is none": (
+        lambda m: setattr(
+            m.state_dict_metadata["model.half"],
+            "properties",
+            _properties(torch.float16, torch.strided, False, _code(65535), False),
+        ),
+        r"memory-format code \(65535,\); torch's reader knows 0, 1 and 2",
+        True,
+    ),
+    "a memory format that is no code": (
+        lambda m: setattr(
+            m.state_dict_metadata["model.half"],
+            "properties",
+            _properties(torch.float16, torch.strided, False, False, False),
+        ),
+        r"TensorProperties hold False where torch's reader expects a _MEM_FORMAT_ENCODING",
+        True,
+    ),
+    "fields that are no dict": (
+        _chunk_fields,
+        r"builds a torch\.distributed\.checkpoint\.metadata\.ChunkStorageMetadata from a list",
+        True,
+    ),
+    "a dataclass as a dict key": (
+        _storage_meta_keyed_by_a_dataclass,
+        r"unhashable type: 'BytesStorageMetadata'",
+        True,
+    ),
+    "a chunk not at a torch.save zip": (
+        _move_chunk,
+        r"model\.half: no torch\.save zip at offset \d+ of __0_0\.distcp",
+        True,
+    ),
+    "a chunk cut short": (
+        lambda m: setattr(_chunk_info(m, "model.half"), "length", 1),
+        r"model\.half: no torch\.save zip at offset \d+ of __0_0\.distcp",
+        True,
+    ),
+}
+
+
+def _torch_reads(folder: Path) -> bool:
+    """Whether torch's own reader loads the folder, as read_checkpoint loads it (the empty planner)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    try:
+        _load_state_dict(
+            {}, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
+    except (Exception, CheckpointException):  # noqa: BLE001 - any refusal counts: torch raises many kinds
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_metadata_fails_verify_as_read_checkpoint_refuses_it(tmp_path: Path, kind: str) -> None:
+    edit, says, torch_fails = DAMAGE[kind]
+    folder = _damage_base(tmp_path)
+    _edit_metadata(folder, edit)
+    report = verify_checkpoint(folder)
+    failed = [f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
+    assert not report.ok and any(re.search(says, f) for f in failed), failed
+    with pytest.raises(CheckpointFormatError) as refused:
+        read_checkpoint(folder)
+    assert re.search(says, str(refused.value)) and "\n" not in str(refused.value)
+    assert _torch_reads(folder) is not torch_fails
+
+
+# Damage in a folder ckptkit's own parser does not model (a tensor whose dtype is None, which torch's
+# reader makes its default dtype), so that verify asks torch's reader: what its load plans must hold.
+BEYOND: dict[str, tuple[Any, str | None]] = {
+    "no damage": (lambda m: None, None),
+    "a renamed path": (
+        lambda m: m.planner_data.update({"model.fc.weight": ("model", "cuda:0")}),
+        r"puts key 'model\.fc\.weight' at \('model', 'cuda:0'\)",
+    ),
+    "a chunk not at a torch.save zip": (_move_chunk, r"model\.half: no torch\.save zip at offset"),
+    "a value indexed by an offset": (
+        lambda m: _reindex(m, "step", []),
+        r"malformed: it lists step but not where its value is stored",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BEYOND))
+def test_where_torch_reads_the_metadata_verify_asks_what_its_load_asks(tmp_path: Path, kind: str) -> None:
+    edit, says = BEYOND[kind]
+    folder = _damage_base(tmp_path)
+
+    def untyped_then(meta: Any) -> None:
+        meta.state_dict_metadata["model.half"].properties.dtype = None
+        edit(meta)
+
+    _edit_metadata(folder, untyped_then)
+    with pytest.raises(NeedsTorch):
+        read_metadata(folder)
+    report = verify_checkpoint(folder)
+    failed = [f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
+    if says is None:
+        assert report.ok, failed
+        assert read_checkpoint(folder)["model"]["half"].tolist() == [1.5, -2.0]
+        return
+    assert not report.ok and any(re.search(says, f) for f in failed), failed
+    with pytest.raises(CheckpointFormatError, match=says):
+        read_checkpoint(folder)
+    assert not _torch_reads(folder)
+
+
+def test_torch_s_reason_for_refusing_a_folder_is_one_line(tmp_path: Path) -> None:
+    """torch's weights-only refusal runs over several lines; a CLI error is one."""
+    from ckptkit.formats.dcp.torch import read_dcp
+
+    folder = _damage_base(tmp_path)
+    _edit_metadata(folder, _move_chunk)
+    with pytest.raises(CheckpointFormatError) as refused:
+        read_dcp(folder)  # torch's reader alone, without verify's checks first
+    assert "Weights only load failed" in str(refused.value) or "UnpicklingError" in str(refused.value)
+    assert "\n" not in str(refused.value)

@@ -15,6 +15,9 @@ from ..dtypes import BY_NAME
 from ..pickles.scan import pickle_globals
 from .detect import DCP_METADATA
 
+# What a reader says of a folder torch's reader cannot read either (a writer never wrote it), said once
+DAMAGED = "the folder is damaged: restore it from a good copy or save it again"
+
 # Exact names: a protocol-4 pickle can name a dotted attribute of a module (STACK_GLOBAL with
 # qualname "os.system" in torch.distributed.checkpoint.metadata is os.system), so a prefix
 # match would admit anything those modules import.

@@ -18,8 +18,9 @@ from ..pickles.reader import UnsupportedGlobal
 from ..pickles.safety import filter_unsafe, needs_text
 from ..pickles.scan import pickle_globals
 from ..source import NeedsTorch
+from ..torchzip.container import SliceReader, TorchZip
 from . import unsafe_metadata_globals
-from .meta import BytesEntry, Stored, TensorEntry, read_metadata
+from .meta import BytesEntry, Stored, TensorEntry, chunks_in_order, read_metadata
 from .stream import chunk_crc_check, open_dcp
 
 
@@ -51,33 +52,35 @@ def dcp_checks(p: Path, full: bool, progress: Progress | None) -> list[Check]:
 
 
 def _torch_checks(p: Path) -> list[Check]:
-    """The metadata, entries and shards as torch's own reader reads them."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    """The metadata, entries and shards as torch's own reader reads them: what the load that
+    read_checkpoint runs plans (:func:`~.torch.planned`), each tensor's chunks tiling it, and each
+    read's bytes in the folder, a torch.save zip where no transform stands between."""
+    from .torch import planned  # deferred: torch, for a folder laid out beyond ckptkit's own reader
 
     try:
-        meta = FileSystemReader(str(p)).read_metadata()
-    except Exception as e:  # .metadata passed the allowlist; anything else is damage
-        return [Check("metadata", "integrity", False, f"{type(e).__name__}: {e}")]
-    try:
-        stored = [
-            (index.fqn, Stored(info.relative_path, info.offset, info.length))
-            for index, info in (meta.storage_data or {}).items()
-        ]
-        blobs = [(fqn, at) for fqn, at in stored if isinstance(meta.state_dict_metadata.get(fqn), BytesStorageMetadata)]
-        for md in meta.state_dict_metadata.values():  # what torch's reader asks of each entry
-            if not isinstance(md, BytesStorageMetadata):
-                _ = (md.size, md.properties.dtype, [(c.offsets, c.sizes) for c in md.chunks])
-        found = Check("metadata", "integrity", True, f"{len(meta.state_dict_metadata)} entries")
-        return [found, *_entries(p, blobs), _shards(p, stored)]
-    except PARSE_ERRORS as e:  # DCP's own classes holding the wrong things: a damaged .metadata
-        return [Check("metadata", "integrity", False, f".metadata is malformed ({type(e).__name__}: {e})")]
+        meta, transformed = planned(p)
+        for e in meta.entries.values():
+            if isinstance(e, TensorEntry):
+                chunks_in_order(p, e)  # as ckptkit's own reader requires: torch's reads a gap as garbage
+    except CheckpointFormatError as e:
+        return [Check("metadata", "integrity", False, str(e))]
+    stored = [(e.fqn, c.stored) for e in meta.entries.values() if isinstance(e, TensorEntry) for c in e.chunks]
+    blobs = [(e.fqn, e.stored) for e in meta.entries.values() if isinstance(e, BytesEntry)]
+    found = Check("metadata", "integrity", True, f"{len(meta.entries)} entries")
+    plain = [(fqn, at) for fqn, at in blobs if at not in transformed]  # torch's reader undoes the others
+    return [found, *_entries(p, plain), _shards(p, stored + blobs, transformed=transformed)]
 
 
-def _shards(p: Path, stored: list[tuple[str, Stored]]) -> Check:
+def _shards(p: Path, stored: list[tuple[str, Stored]], *, transformed: set[Stored] | None = None) -> Check:
+    """Each item's bytes inside the folder's files. Given ``transformed`` (the items stored through
+    transforms), every other item must also be a torch.save zip, as torch's reader loads it
+    (without it, ckptkit's own reader has read those zips' headers already)."""
     problems, sizes = [], {}
     for fqn, at in stored:
         shard = p / at.file
+        if Path(at.file).is_absolute() or ".." in Path(at.file).parts:
+            problems.append(f"{fqn}: stored in {at.file!r}, outside the folder")
+            continue
         if shard not in sizes:
             sizes[shard] = shard.stat().st_size if shard.is_file() else -1
         if sizes[shard] < 0:
@@ -86,8 +89,24 @@ def _shards(p: Path, stored: list[tuple[str, Stored]]) -> Check:
             problems.append(f"{fqn}: stored at offset {at.offset!r}, length {at.length!r} of {at.file}")
         elif at.offset + at.length > sizes[shard]:
             problems.append(f"{fqn}: bytes {at.offset}+{at.length} past the end of {at.file}")
+        elif transformed is not None and at not in transformed and (why := _not_a_zip(shard, at)):
+            problems.append(f"{fqn}: {why}")
     detail = summarize(sorted(set(problems)), 3) if problems else f"{len(sizes)} shard file(s)"
     return Check("shards present and long enough", "integrity", not problems, detail)
+
+
+def _not_a_zip(shard: Path, at: Stored) -> str | None:
+    """Why torch.load cannot open ``at``'s bytes as the zip torch.save writes (its headers, end
+    records and directory, read through windows as ckptkit's own reader reads them), or None."""
+    with open(shard, "rb") as f:
+        view = SliceReader(f, at.offset, at.length, window=4096)
+        if view.read(4) != b"PK\x03\x04":
+            return f"no torch.save zip at offset {at.offset} of {at.file}"
+        try:
+            TorchZip(f"{shard}@{at.offset}", file=view)  # type: ignore[arg-type]
+        except CheckpointFormatError as e:
+            return str(e)
+    return None
 
 
 def _entries(p: Path, blobs: list[tuple[str, Stored]]) -> list[Check]:

@@ -9,7 +9,16 @@ pure-Python unpickler and inert stand-ins for DCP's own classes (:func:`ckptkit.
 becomes the plain records below. A global outside those classes raises
 :class:`~ckptkit.formats.pickles.reader.UnsupportedGlobal`; a structure this reader does not model raises
 :class:`~..source.NeedsTorch`: torch's reader then decides (and applies ckptkit's safety rules).
-Two rules on those records live here too: where a key goes in the nested state dict
+
+What torch's reader asks of ``.metadata``, this asks too, so that ``verify`` passes what
+``read_checkpoint`` reads: the stand-ins refuse what DCP's classes refuse as ``pickle.load``
+builds them (a ``BUILD`` state that is not a dict, properties that are not five values, a
+memory-format code that is none, a ``torch.Size`` of non-ints); each chunk (and each value) must
+have its bytes in ``storage_data`` under the index torch looks it up by; no size or offset is
+negative; and each key must come back as itself from its place in the nested state dict
+(:func:`~.keys.key_paths`). Those raise CheckpointFormatError: torch's reader fails on them too, or
+(a renamed key that still happens to load) the file is damaged, and ckptkit refuses rather than
+guess. Two more rules on the records live here: where a key goes in the nested state dict
 (:func:`set_element`, as torch's reader places it) and how a tensor's chunks tile it, along any
 dims (:func:`chunks_in_order`).
 
@@ -34,8 +43,9 @@ from ...errors import PARSE_ERRORS, CheckpointFormatError
 from ..dtypes import BY_NAME
 from ..pickles import reader as lp
 from ..source import NeedsTorch
-from . import is_dcp_class
+from . import DAMAGED, is_dcp_class
 from .detect import DCP_METADATA
+from .keys import key_paths
 
 _META = "torch.distributed.checkpoint.metadata."
 
@@ -84,16 +94,40 @@ class DcpMetadata:
     paths: dict[str, tuple[str | int, ...]]
 
 
+_MEM_FORMATS = frozenset({0, 1, 2})  # _MEM_FORMAT_ENCODING's values: contiguous, channels-last, preserve
+
+
+class _Global(str):
+    """A global torch pickles by name and never calls (a dtype, ``torch.strided``): its name.
+    Without slots, a ``BUILD`` could give it fields, which the real object refuses."""
+
+    __slots__ = ()
+
+
 class _Stand:
-    """An inert instance of one of DCP's classes: constructor arguments and pickled state."""
+    """An inert instance of one of DCP's dataclasses: constructor arguments and pickled state."""
 
     global_name = ""
+    __hash__ = None  # type: ignore[assignment]  # a dataclass that is not frozen: no dict key, no set item
 
     def __init__(self, *args: Any) -> None:
         self.args = args
 
     def __setstate__(self, state: Any) -> None:
-        self.state = state
+        # pickle's BUILD of a class without __setstate__, as torch's reader (the C unpickler) does it:
+        # a dict of fields, or (a dict or None, a dict of slot fields); it fails on anything else
+        slots: Any = {}
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        if not isinstance(slots, dict) or not isinstance(state, (dict, type(None))):
+            found = slots if not isinstance(slots, dict) else state
+            raise CheckpointFormatError(
+                f".metadata builds a {self.global_name} from a {type(found).__name__}; "
+                f"torch's reader needs a dict of its fields: {DAMAGED}"
+            )
+        fields = self.__dict__.setdefault("state", {})
+        fields.update(state or {})
+        fields.update(slots)
 
     def field(self, name: str, *, optional: bool = False) -> Any:
         state = getattr(self, "state", None)
@@ -104,7 +138,103 @@ class _Stand:
         return state[name]
 
 
+class _Index(_Stand):
+    """``MetadataIndex``, a frozen dataclass: hashed and compared by its fqn and offset (the keys
+    of ``storage_data``, which torch's reader looks each read up by)."""
+
+    def _key(self) -> tuple[Any, Any]:
+        state = getattr(self, "state", None)
+        if not isinstance(state, dict) or "fqn" not in state:  # the dataclass's hash reads its fields
+            raise CheckpointFormatError(f".metadata uses a MetadataIndex without its fqn as a key: {DAMAGED}")
+        return state["fqn"], state.get("offset")
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(self._key())
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._key() == other._key()  # type: ignore[attr-defined]
+
+
+class _Properties(_Stand):
+    """``TensorProperties``, whose own ``__setstate__`` unpacks five values (dtype, layout,
+    requires_grad, memory-format code, pin_memory) and fails unless the fourth is a code."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, (tuple, list)):
+            raise NeedsTorch(f".metadata's TensorProperties hold a {type(state).__name__}")  # any iterable unpacks
+        if len(state) != 5:
+            raise CheckpointFormatError(
+                f".metadata's TensorProperties hold {len(state)} values; torch's reader unpacks 5: {DAMAGED}"
+            )
+        if not isinstance(state[3], _MemFormat):
+            raise CheckpointFormatError(
+                f".metadata's TensorProperties hold {state[3]!r:.40} where torch's reader expects a "
+                f"_MEM_FORMAT_ENCODING: {DAMAGED}"
+            )
+        self.state = tuple(state)
+
+
+class _MemFormat(_Stand):
+    """``_MEM_FORMAT_ENCODING``, an Enum: called (or created) with one of its values, or it fails."""
+
+    def __new__(cls, *args: Any) -> _MemFormat:
+        try:
+            known = len(args) == 1 and args[0] in _MEM_FORMATS  # an Enum finds its member by hash and ==
+        except TypeError:  # unhashable: no member's value
+            known = False
+        if not known:
+            raise CheckpointFormatError(
+                f".metadata holds memory-format code {args!r:.40}; torch's reader knows 0, 1 and 2: {DAMAGED}"
+            )
+        return super().__new__(cls)
+
+    __hash__ = object.__hash__  # type: ignore[assignment]  # an Enum member's
+
+
+class _Path(_Stand):
+    """A pathlib class (``StorageMeta.checkpoint_id``): built from str parts or paths, as pathlib is."""
+
+    def __new__(cls, *args: Any) -> _Path:
+        if not all(type(a) is str or isinstance(a, _Path) for a in args):
+            raise CheckpointFormatError(
+                f".metadata builds a {cls.global_name} from {args!r:.60}; pathlib needs str parts: {DAMAGED}"
+            )
+        concrete = cls.global_name.rpartition(".")[2]
+        if concrete in ("PosixPath", "WindowsPath") and concrete != ("WindowsPath" if os.name == "nt" else "PosixPath"):
+            raise NeedsTorch(f".metadata holds a {concrete}, which Python cannot create on this system")
+        return super().__new__(cls)
+
+    __hash__ = object.__hash__  # type: ignore[assignment]  # a path's
+
+    def __setstate__(self, state: Any) -> None:
+        if state is not None:
+            raise NeedsTorch(f".metadata gives a {self.global_name} fields")  # pathlib's slots: torch decides
+
+
+def _size(*args: Any) -> tuple[int, ...]:
+    """``torch.Size``: nothing, or one sequence of ints (a bool counts as one) that fit in 64 bits."""
+    if not args:
+        return ()
+    if len(args) == 1 and not isinstance(args[0], (tuple, list)):
+        raise NeedsTorch(f".metadata builds a torch.Size from a {type(args[0]).__name__}")  # any iterable
+    if len(args) > 1 or not all(type(v) in (int, bool) and -(1 << 63) <= v < 1 << 63 for v in args[0]):
+        raise CheckpointFormatError(
+            f".metadata builds a torch.Size from {args!r:.60}; torch's reader needs one sequence of 64-bit ints: {DAMAGED}"
+        )
+    return tuple(int(v) for v in args[0])
+
+
+_SPECIAL: dict[str, type[_Stand]] = {
+    _META + "MetadataIndex": _Index,
+    _META + "TensorProperties": _Properties,
+    _META + "_MEM_FORMAT_ENCODING": _MemFormat,
+    **{f"pathlib.{c}": _Path for c in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
+}
+
+
 class _Unpickler(lp._Unpickler):  # the torch pickle reader's guards (no protocol-5 buffers), other globals
+    # All of pickle's opcodes: torch's reader loads .metadata with plain pickle.load (protocol 4:
+    # FRAME, MEMOIZE, STACK_GLOBAL), not with its weights-only unpickler.
     def __init__(self, file: Any, on_storage: Any = None) -> None:
         super().__init__(file, on_storage)
         self._classes: dict[str, Any] = {}
@@ -113,14 +243,14 @@ class _Unpickler(lp._Unpickler):  # the torch pickle reader's guards (no protoco
         full = f"{module}.{name}"
         if not is_dcp_class(full):
             raise lp.UnsupportedGlobal(full)
-        if module == "torch" and name in BY_NAME:
-            return full  # a dtype: pickled as the global itself, never called
+        if module == "torch" and (name in BY_NAME or full in ("torch.strided", "torch.contiguous_format")):
+            return _Global(full)  # pickled as the global itself, never called
         if full == "torch.Size":
-            return tuple
+            return _size
         if full in ("collections.OrderedDict", "builtins.set", "builtins.frozenset"):
             return super().find_class(module, name)
         if full not in self._classes:
-            self._classes[full] = type(name, (_Stand,), {"global_name": full})
+            self._classes[full] = type(name, (_SPECIAL.get(full, _Stand),), {"global_name": full})
         return self._classes[full]
 
     def persistent_load(self, pid: Any) -> Any:
@@ -133,14 +263,20 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
     Raises:
         UnsupportedGlobal: it names a global beyond DCP's own classes (nothing was run).
         NeedsTorch: it holds something this reader does not model (torch's reader may).
-        CheckpointFormatError: it is not a well-formed pickle.
+        CheckpointFormatError: what torch's reader cannot read either: not a well-formed pickle,
+            DCP's classes given what they refuse, keys that do not come back from their paths,
+            a chunk without stored bytes, a negative size or offset.
     """
     with open(Path(folder) / DCP_METADATA, "rb") as f:
-        meta = lp.loads(f.read(), unpickler=_Unpickler)  # its size on disk: read whole, as torch's reader does
+        data = f.read()  # its size on disk: read whole, as torch's reader does
     try:
-        return _interpret(meta)
+        return _interpret(lp.loads(data, unpickler=_Unpickler))
+    except lp.UnsupportedGlobal:
+        raise
     except CheckpointFormatError as e:  # what no reader may accept (torch's would allocate for it)
-        raise CheckpointFormatError(f"{folder}/{e}") from None
+        text = str(e) if str(e).startswith(DCP_METADATA) else f"{DCP_METADATA}: {e}"
+        fix = "" if "damaged" in text else f": {DAMAGED}"  # the pickle reader's own words
+        raise CheckpointFormatError(f"{folder}/{text}{fix}") from None
     except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:  # DCP's classes, in a shape not modelled
         raise NeedsTorch(f".metadata is laid out in a way this reader does not model ({type(e).__name__}: {e})") from e
 
@@ -148,7 +284,12 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
 def _interpret(meta: Any) -> DcpMetadata:
     if not isinstance(meta, _Stand) or meta.global_name != _META + "Metadata":
         raise NeedsTorch(f".metadata holds a {type(meta).__name__}, not DCP's Metadata")
-    stored: dict[tuple[str, tuple[int, ...]], Stored] = {}
+    storage_meta = meta.field("storage_meta", optional=True)  # torch's reader sets its load_id
+    if storage_meta is not None and (
+        not isinstance(storage_meta, _Stand) or isinstance(storage_meta, (_Path, _MemFormat, _Index))  # _Index: frozen
+    ):
+        raise NeedsTorch(f".metadata's storage_meta is a {type(storage_meta).__name__}")
+    stored: dict[tuple[str, tuple[int, ...] | None], Stored] = {}
     for index, info in _mapping(meta.field("storage_data"), "storage_data").items():
         if getattr(info, "global_name", "") != "torch.distributed.checkpoint.filesystem._StorageInfo":
             raise NeedsTorch("storage_data is not FileSystemWriter's (another storage writer)")
@@ -156,45 +297,62 @@ def _interpret(meta: Any) -> DcpMetadata:
             raise NeedsTorch(f"{index.field('fqn')} is stored through transforms {info.state['transform_descriptors']}")
         fqn, at, length = _str(index.field("fqn")), info.field("offset"), info.field("length")
         if isinstance(at, int) and isinstance(length, int) and (at < 0 or length <= 0):  # torch's reader fails on these
-            raise CheckpointFormatError(f".metadata stores {fqn} at offset {at}, length {length}: damaged")
-        where = Stored(_str(info.field("relative_path")), _int(at), _int(length))
-        stored[(fqn, _ints(index.field("offset", optional=True) or ()))] = where
+            raise CheckpointFormatError(f".metadata stores {fqn} at offset {at}, length {length}: {DAMAGED}")
+        where = Stored(
+            _str(info.field("relative_path")), _int(at, f"{fqn}'s byte offset"), _int(length, f"{fqn}'s length")
+        )
+        offset = index.field("offset", optional=True)
+        stored[(fqn, None if offset is None else dims(offset, f"{fqn}'s stored chunk offset"))] = where
     entries: dict[str, TensorEntry | BytesEntry] = {}
     for fqn, md in _mapping(meta.field("state_dict_metadata"), "state_dict_metadata").items():
         entries[_str(fqn)] = _entry(_str(fqn), md, stored)
-    planner = _mapping(meta.field("planner_data") or {}, "planner_data")
-    paths = {_str(k): tuple(_path(v, len(planner))) for k, v in planner.items()}
-    return DcpMetadata(entries, paths)
+    kinds = {k: isinstance(e, TensorEntry) for k, e in entries.items()}
+    return DcpMetadata(entries, key_paths(kinds, meta.field("planner_data", optional=True)))
 
 
-def _entry(fqn: str, md: Any, stored: dict[tuple[str, tuple[int, ...]], Stored]) -> TensorEntry | BytesEntry:
+def _entry(fqn: str, md: Any, stored: dict[tuple[str, tuple[int, ...] | None], Stored]) -> TensorEntry | BytesEntry:
     kind = getattr(md, "global_name", "")
     if kind == _META + "BytesStorageMetadata":
-        return BytesEntry(fqn, _find(stored, fqn, ()))
+        return BytesEntry(fqn, _find(stored, fqn, None))
     if kind != _META + "TensorStorageMetadata":
         raise NeedsTorch(f"{fqn} is a {kind or type(md).__name__}, which this reader does not model")
     props = md.field("properties")
     state = getattr(props, "state", None)  # (dtype, layout, requires_grad, memory format, pin_memory)
-    if not isinstance(state, tuple) or not state or not isinstance(state[0], str):
+    if not isinstance(props, _Properties) or not isinstance(state, tuple):
         raise NeedsTorch(f"{fqn}: tensor properties this reader does not model")
+    if not isinstance(state[0], str):  # None is torch's default dtype
+        raise NeedsTorch(f"{fqn}: its dtype is a {type(state[0]).__name__}")
     dtype = state[0].removeprefix("torch.")
-    layout = state[1] if len(state) > 1 else None
-    if getattr(layout, "args", ("torch.strided",)) != ("torch.strided",):
+    if not isinstance(state[0], _Global) or dtype not in BY_NAME:  # torch's reader passes it to torch.empty
+        raise CheckpointFormatError(
+            f".metadata gives tensor {fqn} the dtype {str(state[0])!r:.40}, no torch dtype: {DAMAGED}"
+        )
+    if getattr(state[1], "args", ("torch.strided",)) != ("torch.strided",):
         raise NeedsTorch(f"{fqn} is not a strided (dense) tensor")
     chunks = []
     for c in md.field("chunks"):
-        offsets, sizes = _ints(c.field("offsets")), _ints(c.field("sizes"))
+        offsets, sizes = (
+            dims(c.field("offsets"), f"{fqn}'s chunk offset"),
+            dims(c.field("sizes"), f"{fqn}'s chunk size"),
+        )
         chunks.append(Chunk(offsets, sizes, _find(stored, fqn, offsets)))
-    return TensorEntry(fqn, dtype, _ints(md.field("size")), tuple(chunks))
+    return TensorEntry(fqn, dtype, dims(md.field("size"), f"{fqn}'s size"), tuple(chunks))
 
 
-def _find(stored: dict[tuple[str, tuple[int, ...]], Stored], fqn: str, offsets: tuple[int, ...]) -> Stored:
+def _find(
+    stored: dict[tuple[str, tuple[int, ...] | None], Stored], fqn: str, offsets: tuple[int, ...] | None
+) -> Stored:
+    # the index torch's reader looks each read up by: a chunk's offsets, or none for a value
     where = stored.get((fqn, offsets))
     if where is None:
-        raise CheckpointFormatError(
-            f".metadata lists {fqn} (chunk at {list(offsets)}) but not where its bytes are stored"
-        )
+        raise unstored(fqn, offsets)
     return where
+
+
+def unstored(fqn: str, offsets: tuple[int, ...] | None) -> CheckpointFormatError:
+    """The error for an item ``storage_data`` does not hold: a chunk at ``offsets`` (None: a value)."""
+    what = "its value" if offsets is None else f"its chunk at {list(offsets)}"
+    return CheckpointFormatError(f".metadata is malformed: it lists {fqn} but not where {what} is stored: {DAMAGED}")
 
 
 def _mapping(value: Any, what: str) -> dict[Any, Any]:
@@ -209,30 +367,19 @@ def _str(value: Any) -> str:
     return value
 
 
-def _int(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise NeedsTorch(f".metadata holds {value!r:.40} where a byte count belongs")
+def _int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise NeedsTorch(f".metadata holds {value!r:.40} as {what}")
+    if value < 0:  # torch's reader fails on it: a negative dimension, or an index it never finds
+        raise CheckpointFormatError(f".metadata gives {what} as {value}, below 0: {DAMAGED}")
     return value
 
 
-def _ints(value: Any) -> tuple[int, ...]:
+def dims(value: Any, what: str) -> tuple[int, ...]:
+    """A size or offsets, as ints none of which is negative (``what`` names it in errors)."""
     if not isinstance(value, (tuple, list)):
-        raise NeedsTorch(f".metadata holds a {type(value).__name__} where a size belongs")
-    return tuple(_int(v) for v in value)
-
-
-def _path(value: Any, entries: int) -> list[str | int]:
-    """A key path; a list index in it can only count the folder's own entries (a larger one would
-    make the reader allocate a list that long: 10**14 from a 60-byte field)."""
-    if not isinstance(value, (tuple, list)) or not value or not all(isinstance(p, (str, int)) for p in value):
-        raise NeedsTorch(f".metadata's planner_data holds {value!r:.60}, not a key path")
-    bad = [p for p in value if isinstance(p, int) and not 0 <= p < entries]
-    if bad:
-        raise CheckpointFormatError(
-            f".metadata's planner_data path {list(value)!r:.80} has list index {bad[0]}, "
-            f"beyond the folder's {entries} entries"
-        )
-    return list(value)
+        raise NeedsTorch(f".metadata holds a {type(value).__name__} as {what}")
+    return tuple(_int(v, what) for v in value)
 
 
 def set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:

@@ -33,6 +33,7 @@ from ..pickles import reader as lp
 from ..producers import Producer
 from ..source import NeedsTorch, checkpoint_bytes
 from ..spec import EntryView, Info
+from ..torchzip.bounds import storage_problem
 from ..torchzip.container import SliceReader, TorchZip
 from .detect import DCP
 from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
@@ -319,6 +320,8 @@ def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[tuple[Piece, .
         z, view = _zip(src, c.stored, f"tensor {e.fqn}'s {what}")
         t = _chunk_tensor(src, z, e, c, what, seen)
         rec = z.storage(t.storage.key)
+        if (why := storage_problem(t.storage, z)) is not None:  # torch's reader refuses it too
+            raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what}: {why}")
         if rec.method != 0 or t.byte_range() != (0, rec.size):
             raise NeedsTorch(
                 f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}"

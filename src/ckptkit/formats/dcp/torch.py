@@ -24,7 +24,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import torch
+
 from ...errors import (
+    PARSE_ERRORS,
     PICKLE_ERRORS,
     ArgumentError,
     CheckpointFormatError,
@@ -38,8 +41,11 @@ from ...io.atomic import describe_error
 from ...io.atomicdir import atomic_folder
 from ..pickles.safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
 from ..pickles.scan import pickle_globals
+from ..source import NeedsTorch
 from ..spec import Placement, WritePlan
-from . import unsafe_metadata_globals
+from . import DAMAGED, unsafe_metadata_globals
+from .keys import key_paths
+from .meta import BytesEntry, Chunk, DcpMetadata, Stored, TensorEntry, dims, unstored
 
 
 def read_dcp(
@@ -72,7 +78,6 @@ def read_dcp(
 
 
 def _load(folder: Path, trust: bool, allowed: list[Any]) -> dict[str, Any]:
-    import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -105,18 +110,105 @@ def _load(folder: Path, trust: bool, allowed: list[Any]) -> dict[str, Any]:
         cause = first_failure(e)
         if isinstance(cause, CkptkitError):
             raise cause from e
-        what = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown failure"
+        what = why(cause) if cause is not None else "unknown failure"  # torch's text runs over lines
         raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {what}") from e
     except PICKLE_ERRORS as e:
-        raise CheckpointFormatError(
-            f"{folder}: cannot read this torch.distributed.checkpoint: {type(e).__name__}: {e}"
-        ) from e
+        raise CheckpointFormatError(f"{folder}: cannot read this torch.distributed.checkpoint: {why(e)}") from e
     return state
 
 
-def _to_device(node: Any, device: str) -> Any:
-    import torch
+def planned(folder: Path) -> tuple[DcpMetadata, set[Stored]]:
+    """``folder`` as :func:`read_dcp`'s load plans it, up to the first byte of a tensor.
 
+    ``.metadata`` as torch's ``FileSystemReader`` unpickles it; each key where ckptkit's parser
+    places it (:func:`~.keys.key_paths`, first: it bounds the lists torch's planner would build);
+    the load plan of the planner :func:`read_dcp` loads with, its tensors on the meta device
+    (nothing allocated); and each read of the plan found in ``storage_data``. For a folder
+    ckptkit's own parser does not model (``verify`` asks torch's reader instead), so that
+    ``verify`` fails what ``read_checkpoint`` would fail.
+
+    Returns:
+        ckptkit's records of it, and the stored items that go through transforms (not a
+        ``torch.save`` zip as they lie in the file).
+
+    Raises:
+        CheckpointFormatError: where the load would fail, with torch's reason on one line
+            (naming ``.metadata``: ``verify`` reports it for the folder).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # type: ignore[import-not-found]
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+    from torch.distributed.checkpoint._traverse import set_element  # type: ignore[import-not-found]
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    class _MetaPlanner(_EmptyStateDictLoadPlanner):  # type: ignore[misc]
+        def set_up_planner(
+            self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+        ) -> None:
+            # _EmptyStateDictLoadPlanner's set-up, then DefaultLoadPlanner's, with the tensors on the
+            # meta device: the latter's _init_state_dict would allocate the whole checkpoint
+            for k, v in metadata.state_dict_metadata.items():
+                if isinstance(v, TensorStorageMetadata):
+                    v = torch.empty(v.size, dtype=v.properties.dtype, device="meta")
+                if metadata.planner_data is not None and k in metadata.planner_data:
+                    set_element(state_dict, metadata.planner_data[k], v)
+                else:
+                    state_dict[k] = v
+            self.original_state_dict = state_dict
+            if self.flatten_sharded_tensors:
+                state_dict = _flatten_sharded_tensors(state_dict)
+            if self.flatten_state_dict:
+                state_dict, self.mappings = flatten_state_dict(state_dict)
+            self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    try:
+        meta = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # .metadata passed the allowlist: whatever unpickling it raised is damage
+        raise CheckpointFormatError(f".metadata: torch's reader cannot read it ({why(e)})") from e
+    transformed: set[Stored] = set()
+
+    def stored(index: Any) -> Stored:
+        info = meta.storage_data.get(index)  # read_data's lookup: each read's index, by fqn and offsets
+        if info is None:
+            raise unstored(index.fqn, None if index.offset is None else tuple(index.offset))
+        name = os.fspath(info.relative_path) if isinstance(info.relative_path, os.PathLike) else info.relative_path
+        if not isinstance(name, str):
+            raise CheckpointFormatError(f".metadata stores {index.fqn} in a {type(name).__name__}: {DAMAGED}")
+        where = Stored(name, info.offset, info.length)
+        if getattr(info, "transform_descriptors", None):
+            transformed.add(where)
+        return where
+
+    try:
+        kinds = {k: isinstance(md, TensorStorageMetadata) for k, md in meta.state_dict_metadata.items()}
+        paths = key_paths(kinds, meta.planner_data)
+        planner = _MetaPlanner()
+        planner.set_up_planner({}, meta, True)
+        if meta.storage_data is None:
+            raise CheckpointFormatError(f".metadata has no storage_data: {DAMAGED}")
+        for item in planner.create_local_plan().items:
+            stored(item.storage_index)
+        entries: dict[str, TensorEntry | BytesEntry] = {}
+        for k, md in meta.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                entries[k] = BytesEntry(k, stored(MetadataIndex(k)))
+                continue
+            chunks = []
+            for c in md.chunks:  # each, even one the plan does not read: refused rather than guessed
+                offsets = dims(c.offsets, f"{k}'s chunk offset")
+                chunks.append(Chunk(offsets, dims(c.sizes, f"{k}'s chunk size"), stored(MetadataIndex(k, offsets))))
+            entries[k] = TensorEntry(k, str(md.properties.dtype).removeprefix("torch."), tuple(md.size), tuple(chunks))
+    except CheckpointFormatError:
+        raise
+    except (NeedsTorch, *PARSE_ERRORS) as e:  # type: ignore[misc]  # Missing key, a negative dimension, no dtype
+        raise CheckpointFormatError(
+            f".metadata is malformed: torch's reader cannot plan its load ({why(e)}): {DAMAGED}"
+        ) from e
+    return DcpMetadata(entries, paths), transformed
+
+
+def _to_device(node: Any, device: str) -> Any:
     if isinstance(node, torch.Tensor):
         return node.to(device)
     if isinstance(node, dict):
