@@ -507,6 +507,17 @@ def _move_chunk(meta: Any) -> None:
     _chunk_info(meta, "model.half").offset += 8
 
 
+def _stored_as_another_class(meta: Any) -> None:
+    """model.half's _StorageInfo replaced by another DCP class holding the same fields (the fuzzer
+    pointed one pickle reference at the Metadata class)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    index = next(i for i in meta.storage_data if i.fqn == "model.half")
+    info, other = meta.storage_data[index], Metadata({})
+    other.relative_path, other.offset, other.length = info.relative_path, info.offset, info.length
+    meta.storage_data[index] = other
+
+
 def _storage_meta_keyed_by_a_dataclass(meta: Any) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -612,6 +623,11 @@ DAMAGE: dict[str, tuple[Any, str, bool]] = {
     "a chunk not at a torch.save zip": (
         _move_chunk,
         r"model\.half: no torch\.save zip at offset \d+ of __0_0\.distcp",
+        True,
+    ),
+    "a chunk stored as another class": (
+        _stored_as_another_class,
+        r"says where model\.half is stored with a Metadata, not a _StorageInfo",
         True,
     ),
     "a chunk cut short": (

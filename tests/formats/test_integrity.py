@@ -144,3 +144,18 @@ def test_a_header_nested_100000_deep_is_one_error(tmp_path: Path) -> None:
     assert not report.ok and "RecursionError" in report.checks[-1].detail
     with pytest.raises(ckptkit.errors.CheckpointFormatError, match="header is not valid JSON"):
         ckptkit.read_checkpoint(path)
+
+
+def test_another_writers_aliases_are_ignored_as_every_reader_ignores_them(tmp_path: Path) -> None:
+    """ckptkit.aliases in a header ckptkit did not write (no header checksum) adds no tensor: the
+    fuzzer's case, where read_checkpoint gave a key safetensors' own reader does not."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(2)}, path, metadata={"ckptkit.aliases": json.dumps({"w.t": ["w", 1]})})
+    assert sorted(ckptkit.read_checkpoint(path)) == sorted(load_file(path)) == ["w"]
+    report = ckptkit.verify_checkpoint(path)
+    assert report.ok and any("ckptkit.aliases ignored" in c.detail for c in report.checks), report.checks
+    ckptkit.convert_checkpoint(path, tmp_path / "out.pt")
+    assert sorted(torch.load(tmp_path / "out.pt", weights_only=True)) == ["w"]

@@ -135,7 +135,10 @@ def safetensors_checks(f: BinaryIO, source: str, *, full: bool, progress: Progre
             + (", header as written" if HEADER_CRC_KEY in meta else ""),
         )
     ]
-    if ALIASES_KEY in meta:
+    if ALIASES_KEY in meta and HEADER_CRC_KEY not in meta:
+        detail = f"{ALIASES_KEY} ignored: the header is not ckptkit's (no {HEADER_CRC_KEY}), and no reader acts on it"
+        checks.append(Check("tied tensors", "integrity", True, detail))
+    elif ALIASES_KEY in meta:
         try:
             detail = f"{len(parse_aliases(meta, header, source))} alias(es), each naming a stored tensor"
         except CheckpointFormatError as e:

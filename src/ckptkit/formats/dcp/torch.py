@@ -140,6 +140,7 @@ def planned(folder: Path) -> tuple[DcpMetadata, set[Stored]]:
     from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
     from torch.distributed.checkpoint._traverse import set_element  # type: ignore[import-not-found]
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     class _MetaPlanner(_EmptyStateDictLoadPlanner):  # type: ignore[misc]
@@ -172,6 +173,10 @@ def planned(folder: Path) -> tuple[DcpMetadata, set[Stored]]:
         info = meta.storage_data.get(index)  # read_data's lookup: each read's index, by fqn and offsets
         if info is None:
             raise unstored(index.fqn, None if index.offset is None else tuple(index.offset))
+        if not isinstance(info, _StorageInfo):  # FileSystemReader reads its four fields, transforms included
+            raise CheckpointFormatError(
+                f".metadata says where {index.fqn} is stored with a {type(info).__name__}, not a _StorageInfo: {DAMAGED}"
+            )
         name = os.fspath(info.relative_path) if isinstance(info.relative_path, os.PathLike) else info.relative_path
         if not isinstance(name, str):
             raise CheckpointFormatError(f".metadata stores {index.fqn} in a {type(name).__name__}: {DAMAGED}")

@@ -271,9 +271,16 @@ def parse_crcs(meta: Mapping[str, str], source: str) -> dict[str, int]:
 def parse_aliases(meta: Mapping[str, str], names: Iterable[str], source: str) -> list[tuple[int, str, str]]:
     """``(position, alias, target)`` from the ``ckptkit.aliases`` metadata, sorted by position.
 
+    Only in a header ckptkit wrote (it carries :data:`HEADER_CRC_KEY`, which covers the aliases
+    too, and the header parser checked it): another writer's metadata is not ckptkit's to act on,
+    and every other reader (``safetensors.torch.load_file``) ignores it, so ckptkit does too.
+
     Raises:
-        CheckpointFormatError: the metadata is malformed or an alias points at a missing tensor.
+        CheckpointFormatError: the metadata is malformed, or an alias points at a missing tensor
+            or shadows a stored one.
     """
+    if HEADER_CRC_KEY not in meta:
+        return []
     try:
         raw = json.loads(meta.get(ALIASES_KEY, "{}"))
         if not isinstance(raw, dict):
@@ -285,6 +292,8 @@ def parse_aliases(meta: Mapping[str, str], names: Iterable[str], source: str) ->
     for _, alias, target in placed:
         if target not in known:
             raise CheckpointFormatError(f"{source}: alias {alias!r} points at missing tensor {target!r}")
+        if alias in known:
+            raise CheckpointFormatError(f"{source}: alias {alias!r} has the name of a stored tensor")
     return placed
 
 

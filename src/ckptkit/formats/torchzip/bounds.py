@@ -47,6 +47,10 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
         first: dict[str, lp.StorageRef] = {}
 
         def check_legacy(ref: lp.StorageRef) -> None:
+            if len(ref.pid) != 6:  # the legacy loader unpacks (storage, type, key, location, numel, view)
+                raise CheckpointFormatError(
+                    f"{p}: storage {ref.key} has a persistent id of {len(ref.pid)} items; torch reads a legacy file's as 6"
+                )
             if lp.storage_nbytes(ref) > size:
                 raise CheckpointFormatError(
                     f"{p}: storage {ref.key} declares {lp.storage_nbytes(ref)} bytes, more than the whole file ({size})"
@@ -64,6 +68,8 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
 def storage_problem(ref: lp.StorageRef, z: TorchZip) -> str | None:
     """Why a storage the pickle declares does not fit the zip (a missing record, one of another
     size than declared), or None."""
+    if len(ref.pid) != 5:  # torch's zip loader unpacks exactly (storage, type, key, location, numel)
+        return f"storage {ref.key} has a persistent id of {len(ref.pid)} items; torch reads a zip's as 5"
     rec = z.by_name.get(f"{z.prefix}data/{ref.key}")
     if rec is None:
         return f"the pickle refers to storage {ref.key}, which the zip lacks"
