@@ -1283,6 +1283,15 @@ def _diff(a: Any, b: Any) -> str | None:
             if not same:
                 return f"{where(at)}: values differ"
             continue
+        storages = (torch.storage.TypedStorage, torch.UntypedStorage)
+        if isinstance(x, storages) or isinstance(y, storages):  # a bare storage (a tensor's REDUCE undone)
+            if type(x) is not type(y) or getattr(x, "dtype", None) != getattr(y, "dtype", None):
+                return f"{where(at)}: {type(x).__name__} vs {type(y).__name__}"
+            if bytes(x.untyped() if isinstance(x, torch.storage.TypedStorage) else x) != bytes(
+                y.untyped() if isinstance(y, torch.storage.TypedStorage) else y
+            ):
+                return f"{where(at)}: storage bytes differ"
+            continue
         containers = (Mapping, list, tuple)
         if isinstance(x, containers) and isinstance(y, containers):
             if (id(x), id(y)) in seen:

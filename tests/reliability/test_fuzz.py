@@ -26,11 +26,6 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 DEFAULT_N = 6000
 
 
-# Open findings (issue 33 stays open until they are 0): at 1,000 mutants, 1 hang (a folder attack),
-# 8 exceptions that are not CkptkitError, 17 verify/reader disagreements (DCP metadata edits,
-# crafted tensor reduces, pickle opcode edits). strict: the day they are all fixed, this fails
-# until the mark goes.
-@pytest.mark.xfail(strict=True, reason="issue 33: the fuzzer's open findings (see the comment above)")
 def test_mutants_of_every_format_find_nothing(tmp_path: Path, stress: int, tally: Counter[str]) -> None:
     n = int(os.environ.get("CKPTKIT_FUZZ_N", DEFAULT_N)) * stress
     env = {
@@ -62,3 +57,25 @@ def test_mutants_of_every_format_find_nothing(tmp_path: Path, stress: int, tally
     tally["silent changes"] += counts["silent changes"]
     assert result["mutants"] == n
     assert all(counts[cls] == 0 for cls in fuzz.CLASSES), "\n".join(fuzz.summary_lines(result))
+
+
+# Mutants that campaigns with other seeds found, each rebuilt and judged as the campaign judged it:
+# (seed, index) -> what it found.
+FOUND = {
+    (1, 4817): "a negative dimension in a DeepSpeed buffer's size: torch.empty raised from read",
+    (2, 4798): "a DCP chunk's record edited to 0 bytes: verify passed, torch's reader refused",
+}
+
+
+@pytest.mark.parametrize(("seed", "index"), sorted(FOUND))
+def test_mutants_found_with_other_seeds_find_nothing(tmp_path: Path, seed: int, index: int) -> None:
+    import warnings
+
+    seeds = fuzz.make_seeds(tmp_path / "seeds")
+    work = tmp_path / "m"
+    work.mkdir()
+    mutant = fuzz.build_mutant(seeds, seed, index, work)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fuzz.judge(mutant, fuzz.originals([mutant.seed])[mutant.seed.name], 60.0)
+    assert result["findings"] == [], (FOUND[(seed, index)], result)

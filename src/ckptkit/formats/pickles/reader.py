@@ -247,6 +247,8 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(d) is int for d in value):
         found = type(value).__name__ if not isinstance(value, (tuple, list)) else repr(value)[:60]
         raise CheckpointFormatError(f"tensor {what} must be a tuple of ints, found {found}")
+    if any(d < 0 for d in value):  # torch cannot build it: "negative dimension", "negative stride"
+        raise CheckpointFormatError(f"tensor {what} {list(value)!r:.60} has a negative entry")
     return tuple(value)
 
 
