@@ -91,24 +91,28 @@ class Global:
 
 
 def _check_builder(func: Global, args: tuple[Any, ...]) -> None:
-    """What torch's builders require of their arguments (torch._utils), beyond their number: a
-    storage (a tensor, for a parameter), an int offset, a bool requires_grad, which only a
-    floating-point or complex tensor may set."""
+    """What torch's builders require of their arguments (torch._utils), beyond their number: an
+    int offset, a bool requires_grad, which only a floating-point or complex tensor may set.
+
+    An argument that is itself a recorded call (what a module pickle's walk makes of a global it
+    does not run) is left to the safety check, which names that global: it is no damage."""
+    modelled = (TensorRef, ParamRef)
+    if any(
+        isinstance(a, Global) or (isinstance(a, Call) and not isinstance(a, modelled) and a.func.name != "Size")
+        for a in args[:5]
+    ):
+        return
     if func.name in PARAM_BUILDERS:
         data, requires_grad = args[0], args[1]
-        if not isinstance(data, TensorRef):
-            raise CheckpointFormatError(f"{func!r} called on a {type(data).__name__}, not a tensor")
-        dtype = data.dtype
+        dtype = data.dtype if isinstance(data, TensorRef) else None
     else:
         storage, offset, requires_grad = args[0], args[1], args[4]
-        if not isinstance(storage, StorageRef):
-            raise CheckpointFormatError(f"{func!r} called on a {type(storage).__name__}, not a storage")
         if type(offset) is not int:
             raise CheckpointFormatError(f"{func!r} called with storage offset {offset!r:.40}; torch needs an int")
-        dtype = TensorRef(func, args).dtype
+        dtype = TensorRef(func, args).dtype if isinstance(storage, StorageRef) else None
     if type(requires_grad) is not bool:
         raise CheckpointFormatError(f"{func!r} called with requires_grad {requires_grad!r:.40}; torch needs a bool")
-    if requires_grad and not dtype.startswith(("float", "bfloat", "complex")):
+    if requires_grad and dtype is not None and not dtype.startswith(("float", "bfloat", "complex")):
         raise CheckpointFormatError(
             f"{func!r} sets requires_grad on a {dtype} tensor; torch allows it only for floating-point and complex ones"
         )
