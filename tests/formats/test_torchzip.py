@@ -414,7 +414,8 @@ def test_one_record_declared_as_two_storage_types_is_refused(tmp_path: Path) -> 
         tmp_path / "bad.pt",
         lambda n, d: (n, d.replace(second_key, b"X\x01\x00\x00\x000") if n.endswith("/data.pkl") else d),
     )
-    assert torch.load(bad, weights_only=True)["b"].dtype == torch.float32  # not the int32 the pickle says
+    # torch up to 2.13 gives b as float32, not the int32 its pickle says; later releases give int32
+    assert torch.load(bad, weights_only=True)["b"].dtype in (torch.float32, torch.int32)
     report = ckptkit.verify_checkpoint(bad)
     assert not report.ok and any("declared as" in c.detail for c in report.checks if not c.ok), report.checks
     with pytest.raises(

@@ -157,12 +157,13 @@ class _Index(_Stand):
 
 class _Properties(_Stand):
     """``TensorProperties``, whose own ``__setstate__`` unpacks five values (dtype, layout,
-    requires_grad, memory-format code, pin_memory) and fails unless the fourth is a code."""
+    requires_grad, memory-format code, pin_memory) and fails unless the fourth is a code; later
+    torch releases pickle more after those five, so more is no damage."""
 
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, (tuple, list)):
             raise NeedsTorch(f".metadata's TensorProperties hold a {type(state).__name__}")  # any iterable unpacks
-        if len(state) != 5:
+        if len(state) < 5:
             raise CheckpointFormatError(
                 f".metadata's TensorProperties hold {len(state)} values; torch's reader unpacks 5: {DAMAGED}"
             )
