@@ -118,9 +118,11 @@ class TorchZip:
             raise CheckpointFormatError(
                 f"{self.path}: records outside the archive folder {self.prefix!r}: {summarize(stray)}"
             )
-        for rec in self.records:  # the small records torch reads and obeys: CRC-checked here, once
-            if not rec.name.startswith(f"{self.prefix}data/") and rec.size <= _SMALL:
-                self.read(rec.name)
+        self._small = {  # the small records torch reads and obeys: read and CRC-checked here, once
+            rec.name: self.read(rec.name)
+            for rec in self.records
+            if not rec.name.startswith(f"{self.prefix}data/") and rec.size <= _SMALL
+        }
         version = self._record(".data/version")
         version = self._record("version") if version is None else version
         if version is None:
@@ -154,7 +156,10 @@ class TorchZip:
         return None if rec is None else self.read(rec.name)
 
     def read(self, name: str) -> bytes:
-        """A small record's bytes, CRC-checked."""
+        """A small record's bytes, CRC-checked (those read at open, from then on without reading again)."""
+        small = self.__dict__.get("_small", {})
+        if name in small:
+            return small[name]  # type: ignore[no-any-return]
         rec = self.by_name[name]
         if rec.method != zipfile.ZIP_STORED:
             try:
