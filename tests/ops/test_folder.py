@@ -9,6 +9,7 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import torch
 
 import ckptkit
 from ckptkit.errors import CheckpointFormatError
+from ckptkit.io import lease
 from ckptkit.io.atomic import TMP_SUFFIX
+from ckptkit.io.store import Location
 from ckptkit.training.rng import capture_rng_state, restore_rng_state
 from fixtures.models import TiedLM, TinyNet
 from tests import not_regular
@@ -277,9 +280,37 @@ def test_the_record_is_renewed_and_released(tmp_path: Path) -> None:
     fill(folder, [2])  # each commit renews the lease
     second = json.loads((tmp_path / RECORD).read_text())
     assert second["expires"] > first["expires"] and second["token"] == first["token"]
+    beat = _lease_thread(tmp_path)
     del folder
     gc.collect()
-    assert not (tmp_path / RECORD).exists()
+    beat.join(timeout=60)  # the collector only wakes the lease's thread, which releases the folder
+    assert not beat.is_alive() and not (tmp_path / RECORD).exists()
+
+
+def _lease_thread(folder: Path) -> threading.Thread:
+    return next(t for t in threading.enumerate() if t.name == f"ckptkit lease {folder}")
+
+
+# Was: the collector ran the release (I/O on the record) on whatever thread it interrupted; in the
+# S3 tests that was moto's server thread, whose release then waited for that server: forever.
+def test_a_collected_folder_is_released_on_its_lease_thread_never_the_collecting_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran_on = []
+    delete = lease._delete
+
+    def recorded(at: Location, version: str) -> None:
+        ran_on.append(threading.current_thread().name)
+        delete(at, version)
+
+    monkeypatch.setattr(lease, "_delete", recorded)
+    folder = ckptkit.CheckpointFolder(tmp_path)
+    fill(folder, [1])
+    beat = _lease_thread(tmp_path)
+    del folder
+    gc.collect()
+    beat.join(timeout=60)
+    assert ran_on == [beat.name] and not (tmp_path / RECORD).exists()
 
 
 def test_a_writer_whose_lease_was_taken_over_stops_before_latest_moves(tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 
 The record ``.ckptkit-writer`` in the folder names its writer: the host, the pid, since when it
 writes there, and until when its lease runs. The writer renews the lease from a daemon thread
-every ``LEASE_S / 4`` seconds, and removes the record when it is done with the folder (its
-objects collected, or the interpreter exiting). Another process that finds the record is refused
+every ``LEASE_S / 4`` seconds, and removes the record when it is done with the folder: its
+objects collected (the removal runs on the lease's own thread, never on the one that collected
+them: that may be any thread, the very one that serves the store), or the interpreter exiting. Another process that finds the record is refused
 at once, unless the writer it names is dead: on this host, its pid is gone (kill -9 runs no
 cleanup code); on any host, its lease ran out (hosts' clocks are assumed to agree within
 seconds, as NTP keeps them). A suspended or cut-off writer whose lease ran out finds, on its
@@ -21,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -199,10 +201,11 @@ class _State:
         self.record = record
         self.holder = holder
         self.version = version
-        # Reentrant: the garbage collector may run the release (a finalizer) inside a renewal, on its thread.
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self.stop = threading.Event()
         self.lost: str | None = None  # why this process no longer holds the folder
+        self.collected = False  # the lease was collected: its thread releases the folder
+        self.released = False
         self.failure: str | None = None  # the last renewal that failed, if the one after has not worked
 
 
@@ -212,8 +215,11 @@ class Lease:
     def __init__(self, folder: str, state: _State) -> None:
         self.folder = folder
         self._state = state
-        weakref.finalize(self, _release, state)  # also at interpreter exit
-        # A daemon: a training process exits without waiting for it (the finalizer releases the folder).
+        # Collection only wakes the heartbeat, which releases: a finalizer runs on whatever thread the
+        # collector interrupts, and I/O there can wait on that thread itself (a server in-process)
+        # or on a lock it holds. At interpreter exit, _release_all releases instead.
+        weakref.finalize(self, _collected, state).atexit = False
+        # A daemon: a training process exits without waiting for it.
         threading.Thread(target=_beat, args=(state,), name=f"ckptkit lease {folder}", daemon=True).start()
 
     @property
@@ -278,6 +284,13 @@ def _who(data: bytes, where: str) -> str:
 def _beat(state: _State) -> None:
     while not state.stop.wait(LEASE_S / 4):
         _renewal(state)
+    if state.collected:
+        _release(state)
+
+
+def _collected(state: _State) -> None:
+    state.collected = True
+    state.stop.set()
 
 
 def _release(state: _State) -> None:
@@ -286,6 +299,9 @@ def _release(state: _State) -> None:
     if state.holder.pid != os.getpid():  # a forked child: the folder is its parent's
         return
     with state.lock:
+        if state.released:
+            return
+        state.released = True
         if state.lost is None:
             # Best effort: a store that is gone (or an interpreter shutting down) leaves a record
             # whose lease runs out, which the next writer takes over.
@@ -295,6 +311,13 @@ def _release(state: _State) -> None:
 
 _HELD: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
 _HELD_LOCK = threading.Lock()
+_STATES: dict[str, _State] = {}  # each folder's last claim, released or not: one small entry per folder
+
+
+@atexit.register
+def _release_all() -> None:
+    for state in list(_STATES.values()):
+        _release(state)
 
 
 def hold(folder: Location) -> Lease:
@@ -309,13 +332,17 @@ def hold(folder: Location) -> Lease:
     with _HELD_LOCK:
         lease = _HELD.get(key)
         if lease is None or lease.holder.pid != os.getpid():
+            if (before := _STATES.get(key)) is not None:
+                _release(before)  # a collected lease's release, done before the new claim, not racing it
             try:
-                lease = Lease(folder.spelled, _claim(record, folder.spelled))
+                state = _claim(record, folder.spelled)
+                lease = Lease(folder.spelled, state)
             except OSError as e:
                 if isinstance(e, CkptkitError):
                     raise
                 raise CheckpointWriteError(describe_error(e, Path(record.spelled))) from e
             _HELD[key] = lease
+            _STATES[key] = state
         return lease
 
 
