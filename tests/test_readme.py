@@ -34,3 +34,14 @@ def test_the_readmes_python_blocks_run_as_written(tmp_path: Path, index: int) ->
     for attempt in ("first run", "second run: resumes or redoes"):
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{attempt}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+# -- a stranger reads it top to bottom ------------------------------------------------------------
+
+
+def test_the_readme_stays_short_and_its_links_lead_somewhere() -> None:
+    """At most 220 lines (details live in docs/), and every relative link names a file in the repository."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 220
+    links = [t for t in re.findall(r"\]\(([^)#]+)\)", text) if "://" not in t]
+    assert links and [t for t in links if not (ROOT / t).exists()] == []
