@@ -127,6 +127,17 @@ def test_every_16_bit_pattern_casts_as_torch_does(src: str) -> None:
         assert_same(got, t.to(target))
 
 
+# Was: float8 weights were left as they were; --dtype widens them now, as .to() does.
+@pytest.mark.parametrize("src", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_float8_pattern_casts_bit_for_bit_as_torch_does(src: torch.dtype) -> None:
+    """All 256 patterns, NaN included: torch gives each fp8 NaN one pattern, so every bit is compared."""
+    bits = np.arange(256, dtype=np.uint8)
+    t = torch.from_numpy(bits.copy()).view(src)
+    for target, ints in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float16, torch.int16)):
+        got = torch.frombuffer(bytearray(bytes(cast_bytes(bits.tobytes(), str(src)[6:], str(target)[6:]))), dtype=ints)
+        assert torch.equal(got, t.to(target).view(ints)), (src, target)
+
+
 # --- every fast-path source, to .pt and .safetensors --------------------------------------------------------------
 
 
@@ -162,6 +173,9 @@ def states(draw: Any) -> dict[str, torch.Tensor]:
         bits = draw(bit_patterns(dtype, max_size=24))
         t = tensor_of(bits, dtype)
         out[f"layer{i}.weight"] = t.reshape(2, -1) if t.numel() % 2 == 0 else t
+    fp8 = draw(st.sampled_from([None, torch.float8_e4m3fn, torch.float8_e5m2]))
+    if fp8 is not None:  # any byte is a float8 value (NaN and -0.0 included)
+        out["fp8.weight"] = torch.frombuffer(bytearray(draw(st.binary(min_size=1, max_size=24))), dtype=fp8)
     out["steps"] = torch.arange(draw(st.integers(1, 5)), dtype=torch.int64)
     out["mask"] = torch.tensor([True, False, True])
     out["tied"] = out["layer0.weight"]
@@ -254,15 +268,62 @@ def test_only_the_weights_are_cast_and_the_report_says_what(tmp_path: Path) -> N
     torch.save(state, tmp_path / "ckpt.pt")
     report = ckptkit.convert_checkpoint(tmp_path / "ckpt.pt", tmp_path / "out.pt", dtype="bf16")
     assert report.fast
-    assert report.cast == ["weight", "bias"]
+    assert report.cast == ["weight", "bias", "fp8"]
     assert "cast 2 tensors float32 -> bfloat16 (60 B -> 30 B)" in report.notes
+    assert "cast 1 tensor float8_e4m3fn -> bfloat16 (2 B -> 4 B)" in report.notes
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert out["model"]["weight"].dtype == torch.bfloat16 and torch.equal(
         out["model"]["weight"], model.weight.detach().bfloat16()
     )
-    for k in ("fp8", "z", "n"):  # float8, complex, int: as they were
+    assert torch.equal(out["model"]["fp8"], torch.ones(2, dtype=torch.bfloat16))
+    for k in ("z", "n"):  # complex, int: as they were
         assert out["model"][k].dtype == state["model"][f"module.{k}"].dtype
     assert out["optimizer"]["state"][0]["exp_avg"].dtype == torch.float32  # optimizer state is not the weights
+
+
+def quantized_state() -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3-style fp8 layer (block scales beside it) and a bitsandbytes 4-bit one (uint8
+    weights; absmax, NF4 codebook, nested state and its packed quant_state beside them)."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
+        "layers.0.mlp.down_proj.weight_scale_inv": torch.rand(1, 1, generator=g) + 0.1,
+        "layers.1.mlp.up_proj.weight": torch.randint(0, 255, (16, 1), generator=g, dtype=torch.uint8),
+        "layers.1.mlp.up_proj.weight.absmax": torch.randint(0, 255, (1,), generator=g, dtype=torch.uint8),
+        "layers.1.mlp.up_proj.weight.quant_map": torch.randn(16, generator=g),
+        "layers.1.mlp.up_proj.weight.nested_absmax": torch.rand(1, generator=g),
+        "layers.1.mlp.up_proj.weight.nested_quant_map": torch.randn(256, generator=g),
+        "layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4": torch.arange(8, dtype=torch.uint8),
+        "norm.weight": torch.randn(8, generator=g),
+    }
+
+
+# Was: --dtype bf16 cast bitsandbytes' float32 codebook and absmax, and from_pretrained then decoded
+# every 4-bit layer wrong, without a word (exit 0, "cast 49 tensors").
+@pytest.mark.parametrize("how", ["pt", "safetensors", "legacy"])
+def test_a_quantized_weights_scales_and_codebook_are_left_as_they_are(tmp_path: Path, how: str) -> None:
+    state = quantized_state()
+    cast = ["layers.0.mlp.down_proj.weight", "norm.weight"]
+    if how == "legacy":  # torch cannot load a legacy-format float8 tensor it saved (UntypedStorage has no dtype)
+        state["layers.0.mlp.down_proj.weight"] = state["layers.0.mlp.down_proj.weight"].float()
+    src = tmp_path / ("src.safetensors" if how == "safetensors" else "src.pt")
+    if how == "safetensors":
+        ckptkit.write_checkpoint(state, src)
+    else:
+        torch.save(state, src, _use_new_zipfile_serialization=how == "pt")
+    report = ckptkit.convert_checkpoint(src, tmp_path / "out.safetensors", dtype="bf16")
+    assert report.fast == (how != "legacy")
+    out = ckptkit.read_checkpoint(tmp_path / "out.safetensors")
+    assert report.cast == cast
+    for k, v in state.items():
+        if k in report.cast:
+            assert torch.equal(out[k], v.to(torch.bfloat16))
+        else:
+            assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+    assert (
+        "left 4 quantization-state tensors as they are (layers.0.mlp.down_proj.weight_scale_inv, ...): "
+        "quantized weights decode with them"
+    ) in report.notes
 
 
 def test_the_cli_shows_the_cast_and_json_includes_it(tmp_path: Path) -> None:

@@ -71,7 +71,8 @@ ALLOW_GLOBAL = click.option(
     "--dtype",
     type=click.Choice(["bf16", "fp16", "fp32"]),
     default=None,
-    help="Cast the floating weights to this dtype (values as torch's .to(); ints, bools, optimizer state kept).",
+    help="Cast the floating weights, float8 too, to this dtype (values as torch's .to(); ints, bools, "
+    "quantization scales and codebooks, optimizer state kept).",
 )
 @click.option(
     "--sanitize",

@@ -1,7 +1,8 @@
 """Floating tensors cast to another dtype while they are copied, without torch: ``convert --dtype``.
 
-:class:`Cast` decides which entries change (float16, bfloat16, float32 and float64 ones; integer,
-bool, complex and float8 tensors are left as they are) and wraps each in a :class:`CastEntry`,
+:class:`Cast` decides which entries change (float16, bfloat16, float32, float64, and float8 e4m3fn
+and e5m2 ones; integer, bool and complex tensors, other float8 kinds, and the quantization state
+beside quantized weights (:data:`QUANT_STATE`) are left as they are) and wraps each in a :class:`CastEntry`,
 whose :meth:`~CastEntry.write` streams the source entry's bytes through a small sink: the source
 entry reads and checks its own bytes as it always does (each byte against the CRC-32 its source
 records, a mismatch to the source's ``damage``), and the sink converts each piece as it arrives
@@ -31,7 +32,35 @@ from .entry import Entry
 
 Target = Literal["bf16", "fp16", "fp32"]
 TARGETS: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-FLOATS = ("float16", "bfloat16", "float32", "float64")  # what a cast changes; float8 and complex stay
+# What a cast changes. float8 e4m3fn and e5m2 only widen (every value is exact in each target);
+# the fnuz and e8m0 kinds stay, as does complex.
+FLOATS = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+# A quantized weight's companions, by the last part of their name: a float tensor the quantized
+# values are decoded with, not a weight. Cast, they decode to other values, and loaders take them
+# without a word (bitsandbytes 4-bit: the NF4 codebook cast to bf16 made every layer wrong).
+QUANT_STATE = frozenset(
+    {
+        # fp8 and int8 weights' scales: DeepSeek-V3 (weight_scale_inv), HF FP8 / fbgemm, compressed-tensors,
+        # vLLM's KV-cache scales
+        "weight_scale",
+        "weight_scale_inv",
+        "weight_global_scale",
+        "input_scale",
+        "input_global_scale",
+        "output_scale",
+        "k_scale",
+        "v_scale",
+        "kv_scale",
+        "weight_zero_point",
+        "input_zero_point",
+        # bitsandbytes 4-bit and 8-bit (weight.absmax, weight.quant_map, ..., SCB)
+        "absmax",
+        "quant_map",
+        "nested_absmax",
+        "nested_quant_map",
+        "SCB",
+    }
+)
 _STEP = 8 << 20  # source bytes converted at a time: numpy's temporaries stay a few times this
 
 
@@ -133,7 +162,7 @@ def cast_bytes(data: Any, src: str, dst: str) -> Any:
     values, exactly as torch's CPU ``.to(dst)`` gives them; returns a bytes-like object.
 
     NaN, as torch gives it: to bfloat16, ``0xFFFF`` from float32 or float64 (ATen's vectorized
-    conversion) and ``0x7FC0`` from float16 (through c10's scalar one); to float16 and float32,
+    conversion) and ``0x7FC0`` from float16 or float8 (through c10's scalar one); to float16 and float32,
     quieted with the payload's top bits kept, sign and all (the x86 conversions torch uses).
 
     Example:
@@ -156,17 +185,33 @@ def cast_bytes(data: Any, src: str, dst: str) -> Any:
             rounded += bits  # NaN patterns may wrap: they are replaced below
             rounded >>= 16
             out = rounded.astype("<u2")
-            out[nan] = 0x7FC0 if src == "float16" else 0xFFFF
+            out[nan] = 0xFFFF if src in ("float32", "float64") else 0x7FC0  # torch's vectorized and scalar paths
             return out
         out = bits.view("<f4").astype("<f2").view("<u2")  # IEEE round to nearest even, as F16C
         out[nan] = ((bits[nan] >> 16) & 0x8000) | 0x7E00 | ((bits[nan] >> 13) & 0x3FF)
         return out
 
 
+def _e4m3fn_bits(np: Any) -> Any:
+    """float8_e4m3fn's 256 bit patterns as float32 bit patterns: bias 7, no infinity, NaN at
+    S.1111.111 (torch gives it as sign | 0x7FF00000)."""
+    b = np.arange(256, dtype="<u4")
+    e, m = (b >> 3) & 0xF, (b & 7).astype("<f4")
+    magnitude = np.where(e == 0, m / 8, 1 + m / 8) * np.exp2(np.maximum(e, 1).astype("<f4") - 7)
+    bits = magnitude.astype("<f4").view("<u4") | ((b >> 7) << 31)
+    nan = (b & 0x7F) == 0x7F
+    bits[nan] = (bits[nan] & 0x80000000) | 0x7FF00000
+    return bits
+
+
 def _f32_bits(np: Any, data: Any, src: str) -> Any:
     """``data``'s values as float32 bit patterns (a new uint32 array), as torch widens or rounds them."""
     if src == "float32":
         return np.frombuffer(data, "<u4").copy()
+    if src == "float8_e4m3fn":  # 256 values, each exact in float32: looked up
+        return _e4m3fn_bits(np)[np.frombuffer(data, "u1")]
+    if src == "float8_e5m2":  # float16's top byte, as torch widens it
+        return _f32_bits(np, (np.frombuffer(data, "u1").astype("<u2") << 8).tobytes(), "float16")
     if src == "bfloat16":  # bfloat16 is float32's top half, NaN payloads and all
         return np.frombuffer(data, "<u2").astype("<u4") << 16
     if src == "float16":  # exact; a NaN is quieted, its payload moved up
@@ -196,15 +241,22 @@ class Cast:
     def __init__(self, dtype: Target) -> None:
         self.dtype = target_dtype(dtype)
         self.names: OrderedDict[str, str] = OrderedDict()  # tensor name -> its dtype before
+        self.kept: OrderedDict[str, str] = OrderedDict()  # quantization state left as it is -> its dtype
         self._sizes: dict[tuple[str, Any], tuple[int, int]] = {}  # (dtype before, ident) -> bytes before, after
 
-    def wants(self, dtype: str) -> bool:
-        """Whether a tensor of ``dtype`` is cast (a floating one of another dtype)."""
-        return dtype in FLOATS and dtype != self.dtype
+    def wants(self, dtype: str, name: str) -> bool:
+        """Whether tensor ``name`` of ``dtype`` is cast: a floating one of another dtype that is not
+        a quantized weight's state (:data:`QUANT_STATE`, which :meth:`notes` then names)."""
+        if dtype not in FLOATS or dtype == self.dtype:
+            return False
+        if is_quant_state(name):
+            self.kept[name] = dtype
+            return False
+        return True
 
     def wrap(self, e: Any, name: str) -> Any:
         """``e`` as the output should hold it: a :class:`CastEntry` where it is cast, else ``e``."""
-        if not isinstance(e, Entry) or not self.wants(e.dtype):
+        if not isinstance(e, Entry) or not self.wants(e.dtype, name):
             return e
         cast = CastEntry(e, self.dtype)
         self.record(name, e.dtype, e.ident, e.nbytes, cast.nbytes)
@@ -223,7 +275,26 @@ class Cast:
             a = sum(s[0] for (d, _), s in self._sizes.items() if d == before)
             b = sum(s[1] for (d, _), s in self._sizes.items() if d == before)
             out.append(f"cast {count} tensor{'s' * (count != 1)} {before} -> {self.dtype} ({_size(a)} -> {_size(b)})")
-        return out or [f"nothing cast: no floating weights other than {self.dtype}"]
+        if not out:
+            out.append(f"nothing cast: no floating weights other than {self.dtype}")
+        if self.kept:
+            n, first = len(self.kept), next(iter(self.kept))
+            out.append(
+                f"left {n} quantization-state tensor{'s' * (n != 1)} as {'they are' if n != 1 else 'it is'} "
+                f"({first}{', ...' * (n > 1)}): quantized weights decode with them"
+            )
+        return out
+
+
+def is_quant_state(name: str) -> bool:
+    """Whether tensor ``name`` is a quantized weight's state (:data:`QUANT_STATE`, or bitsandbytes'
+    ``weight.quant_state.*``), which a cast leaves as it is.
+
+    Example:
+        >>> is_quant_state("model.layers.0.mlp.down_proj.weight_scale_inv"), is_quant_state("lm_head.weight")
+        (True, False)
+    """
+    return name.rsplit(".", 1)[-1] in QUANT_STATE or ".quant_state." in f".{name}"
 
 
 def _size(n: int) -> str:

@@ -143,11 +143,13 @@ def convert_checkpoint(
             folder appears complete or not at all. None: the format ``dst``'s suffix names.
         zero_weights: for a DeepSpeed ZeRO source: ``"fp32"`` (the master weights, as ``zero_to_fp32``)
             or ``"module"`` (the 16-bit ``module`` state dict as saved; ZeRO stage 1/2 only).
-        dtype: cast the model weights' floating tensors (float16, bfloat16, float32, float64) to
-            ``"bf16"``, ``"fp16"`` or ``"fp32"``, with the values torch's ``.to()`` gives (round to
-            nearest even; NaN and inf kept); integer, bool, complex and float8 tensors and everything
-            besides the weights (optimizer state) are left as they are. Torch-free where the copy is,
-            each source byte still checked. ``notes`` say what was cast. None: no cast.
+        dtype: cast the model weights' floating tensors (float16, bfloat16, float32, float64,
+            float8 e4m3fn and e5m2) to ``"bf16"``, ``"fp16"`` or ``"fp32"``, with the values torch's
+            ``.to()`` gives (round to nearest even; NaN and inf kept); integer, bool and complex
+            tensors, a quantized weight's scales and codebooks (``weight_scale_inv``, bitsandbytes'
+            ``absmax``, ...) and everything besides the weights (optimizer state) are left as they
+            are. Torch-free where the copy is, each source byte still checked. ``notes`` say what
+            was cast and what was left. None: no cast.
         sanitize: with ``trust``, make what is written loadable by ``torch.load(weights_only=True)``:
             ``argparse.Namespace`` and dataclass instances become dicts, numpy arrays tensors, numpy
             scalars Python values, numpy RNG state plain lists and ints; anything else a weights-only

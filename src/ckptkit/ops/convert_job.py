@@ -215,7 +215,7 @@ def fast_cast(view: View, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str,
         out: dict[str, Any] = {}
         for name, v in state.items():
             e = view.entry(v, name) if view.is_leaf(v) else v
-            out[name] = cast.wrap(e, name) if isinstance(e, Entry) and cast.wants(e.dtype) else v
+            out[name] = cast.wrap(e, name) if isinstance(e, Entry) and cast.wants(e.dtype, name) else v
         return out
 
     return run

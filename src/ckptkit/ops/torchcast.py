@@ -25,14 +25,14 @@ from ..formats.cast import Cast
 
 def cast_tensors(state: Mapping[str, Any], cast: Cast) -> dict[str, Any]:
     """``state`` with each floating tensor ``cast`` wants as ``tensor.to(cast.dtype)``; the rest
-    (integer, bool, complex, float8 tensors, other values) as they are. One tensor under several
+    (integer, bool, complex tensors, quantization state, other values) as they are. One tensor under several
     names (tied) is cast once and stays one tensor."""
     target = getattr(torch, cast.dtype)
     done: dict[int, torch.Tensor] = {}
     out: dict[str, Any] = {}
     for name, v in state.items():
         before = str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else ""
-        if not before or not cast.wants(before):
+        if not before or not cast.wants(before, name):
             out[name] = v
             continue
         if id(v) not in done:
