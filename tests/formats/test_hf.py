@@ -93,6 +93,31 @@ def test_one_shard_gets_a_note_naming_its_index(tmp_path: Path, kind: str) -> No
     assert not run("inspect", HF / kind)[2]  # the whole checkpoint: no note
 
 
+# Was: a diffusers folder (each pipeline model's, e.g. transformer/) was refused with "give a file",
+# and one of its shards converted as if it were the model (30 of 144 tensors, exit 0, no note).
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_a_diffusers_folder_reads_whole_and_its_shard_says_what_it_is(tmp_path: Path, kind: str) -> None:
+    state = {f"blocks.{i}.attn.weight": torch.full((16, 4), float(i)) for i in range(6)}
+    folder = tmp_path / "transformer"
+    folder.mkdir()
+    # The call diffusers' save_pretrained makes, with its file names.
+    save_torch_state_dict(
+        state,
+        folder,
+        filename_pattern="diffusion_pytorch_model{suffix}." + kind,
+        max_shard_size=600,
+        safe_serialization=kind == "safetensors",
+    )
+    index = folder / f"diffusion_pytorch_model.{kind}.index.json"
+    assert index.is_file()
+    for source in (folder, index):
+        got = ckptkit.read_checkpoint(source)
+        assert list(got) == list(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    shard = sorted(folder.glob(f"diffusion_pytorch_model-00001-of-*.{kind}"))[0]
+    code, _, stderr = run("convert", shard, tmp_path / "one.safetensors")
+    assert code == 0 and f"note: {shard.name} is shard 1 of " in stderr and str(index) in stderr, stderr
+
+
 def _copy(kind: str, tmp_path: Path) -> Path:
     folder = tmp_path / kind
     shutil.copytree(HF / kind, folder)

@@ -18,8 +18,20 @@ from ..safetensors.detect import SIGNATURE as SAFETENSORS_SIGNATURE
 from ..torchzip.detect import LEGACY_SIGNATURE, ZIP_SIGNATURE
 
 HF = "hf-sharded"  # Hugging Face shards + index (save_pretrained, huggingface_hub.save_torch_state_dict)
-HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # in the order a folder is read
-HF_SINGLE = ("model.safetensors", "pytorch_model.bin")  # what they write, without an index, for one shard
+# In the order a folder is read: transformers' names, then diffusers' (each model's folder of a
+# pipeline, e.g. transformer/, holds diffusion_pytorch_model*). The first is what ckptkit writes.
+HF_INDEXES = (
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "diffusion_pytorch_model.safetensors.index.json",
+    "diffusion_pytorch_model.bin.index.json",
+)
+HF_SINGLE = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.bin",
+)
 
 
 def _matches(p: Path, head: bytes) -> bool:
