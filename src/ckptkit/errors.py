@@ -75,8 +75,9 @@ class UnsupportedCheckpointError(CheckpointFormatError):
 
 class PartialCheckpointError(CheckpointFormatError):
     """The path is one part of a checkpoint that is only whole as a folder (a DeepSpeed ZeRO-3
-    rank's model-state file, whose parameters are 0-element placeholders); the message names the
-    folder to give instead."""
+    rank's model-state file, whose parameters are 0-element placeholders), or a folder that would
+    read as part of its weights (a sentence-transformers model with weights in several module
+    folders); the message names what to give instead."""
 
 
 class ClassNotFoundError(CkptkitError, ImportError):

@@ -118,6 +118,27 @@ def test_a_diffusers_folder_reads_whole_and_its_shard_says_what_it_is(tmp_path: 
     assert code == 0 and f"note: {shard.name} is shard 1 of " in stderr and str(index) in stderr, stderr
 
 
+ST = FIXTURES / "frameworks" / "sentence_transformers" / "model"  # written by sentence-transformers
+
+
+# Was: convert exited 0 with the transformer's 23 tensors, the Dense head in 2_Dense/ dropped without a note.
+def test_a_sentence_transformers_folder_with_a_dense_head_is_refused_naming_each_modules_file(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = [ST / "model.safetensors", ST / "2_Dense" / "model.safetensors"]
+    for args in (["convert", ST, tmp_path / "out.safetensors"], ["inspect", ST], ["verify", ST]):
+        code, out, err = run(*args)
+        said = " ".join((out + err).split())
+        assert code == 1 and "2 module folders (., 2_Dense)" in said and all(str(f) in said for f in files), said
+    assert not (tmp_path / "out.safetensors").exists()
+    with pytest.raises(ckptkit.errors.PartialCheckpointError, match=r"weights are in 2 module folders"):
+        ckptkit.read_checkpoint(ST)
+    for f in files:  # the advice, followed: each module's weights, as sentence-transformers loads them
+        ckptkit.convert_checkpoint(f, tmp_path / "one.safetensors", force=True)
+        got, want = load_file(tmp_path / "one.safetensors"), load_file(f)
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def _copy(kind: str, tmp_path: Path) -> Path:
     folder = tmp_path / kind
     shutil.copytree(HF / kind, folder)

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, CheckpointNotFoundError, spell, summarize
+from ...errors import (
+    PARSE_ERRORS,
+    ArgumentError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    PartialCheckpointError,
+    spell,
+    summarize,
+)
 from ...io.fileio import open_regular, require_regular
 from ..safetensors.codec import read_header
 from .detect import HF_INDEXES, HF_SINGLE
@@ -73,10 +81,51 @@ class HfIndex:
         return sum(p.stat().st_size for p in paths if p.is_file())
 
 
+MODULES = "modules.json"  # sentence-transformers: the model's modules, each in a folder ("" the top one)
+
+
+def weighted_modules(folder: Path) -> list[str]:
+    """The module folders a sentence-transformers model's ``modules.json`` names that hold weights
+    of their own (``""`` the top folder); [] for any other folder.
+
+    Example:
+        >>> weighted_modules(Path("fixtures/frameworks/sentence_transformers/model"))
+        ['', '2_Dense']
+    """
+    try:
+        with open_regular(folder / MODULES, folder=folder) as f:
+            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
+                return []
+            modules = json.loads(f.read().decode("utf-8"))
+    except PARSE_ERRORS:  # none, or not one we can read: the folder is read as it is
+        return []
+    found = []
+    for module in modules if isinstance(modules, list) else []:
+        sub = module.get("path") if isinstance(module, dict) else None
+        if isinstance(sub, str) and not Path(sub).is_absolute() and ".." not in Path(sub).parts:
+            if any((folder / sub / name).is_file() for name in (*HF_INDEXES, *HF_SINGLE)):
+                found.append(sub)
+    return found
+
+
 def index_path(path: str | Path) -> Path:
-    """The index of a Hugging Face checkpoint given as its folder or as the index file itself."""
+    """The index of a Hugging Face checkpoint given as its folder or as the index file itself.
+
+    Raises:
+        PartialCheckpointError: the folder's weights are in several module folders (a
+            sentence-transformers model with a Dense head): read as one, it would be part of them.
+    """
     p = Path(path)
     if p.is_dir():
+        if len(parts := weighted_modules(p)) > 1:
+            files = [
+                next(str(p / sub / n) for n in (*HF_INDEXES, *HF_SINGLE) if (p / sub / n).is_file()) for sub in parts
+            ]
+            raise PartialCheckpointError(
+                f"{p} is a sentence-transformers model whose weights are in {len(parts)} module folders "
+                f"({', '.join(sub or '.' for sub in parts)}): read as one checkpoint it would be part of the model; "
+                f"give one module's weights file instead ({', '.join(files)})"
+            )
         for name in (*HF_INDEXES, *HF_SINGLE):
             if (p / name).is_file():
                 return p / name
