@@ -118,6 +118,22 @@ def test_a_diffusers_folder_reads_whole_and_its_shard_says_what_it_is(tmp_path: 
     assert code == 0 and f"note: {shard.name} is shard 1 of " in stderr and str(index) in stderr, stderr
 
 
+# Was: the note knew transformers' two index names only; a shard of another set converted as the model.
+def test_a_shard_of_an_index_of_any_name_gets_the_note_and_its_advice_reads_the_whole(tmp_path: Path) -> None:
+    state = {f"layer.{i}.weight": torch.full((16, 4), float(i)) for i in range(4)}
+    save_torch_state_dict(state, tmp_path, filename_pattern="ema{suffix}.safetensors", max_shard_size=300)
+    index, shard = tmp_path / "ema.safetensors.index.json", tmp_path / "ema-00001-of-00004.safetensors"
+    code, _, stderr = run("convert", shard, tmp_path / "one.pt")
+    said = " ".join(stderr.split())
+    assert (
+        code == 0
+        and f"note: {shard.name} is shard 1 of 4" in said
+        and f"its index {index} lists; give that index for the whole model" in said
+    )
+    got = ckptkit.read_checkpoint(index)  # the advice, followed
+    assert list(got) == list(state) and all(torch.equal(got[k], v) for k, v in state.items())
+
+
 ST = FIXTURES / "frameworks" / "sentence_transformers" / "model"  # written by sentence-transformers
 
 

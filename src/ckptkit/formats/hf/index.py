@@ -223,13 +223,17 @@ def check_shard_keys(index: HfIndex, found: Mapping[str, Sequence[str]]) -> None
         )
 
 
+_OTHER_INDEXES = 16  # indexes of other names beside a shard that are read to find its own
+
+
 def shard_note(path: Path) -> str | None:
     """For one shard of a sharded checkpoint (named ``*-0000i-of-0000n.*`` and listed by an index
     beside it), a note saying so; None for any other file."""
     m = SHARD_NAME.match(path.name)
     if m is None:
         return None
-    for name in HF_INDEXES:
+    others = sorted(p.name for p in path.parent.glob("*.index.json") if p.name not in HF_INDEXES)
+    for name in (*HF_INDEXES, *others[:_OTHER_INDEXES]):  # the usual names first, then any other
         try:
             index = read_index(path.parent / name)
         except (CheckpointFormatError, OSError):
@@ -238,8 +242,9 @@ def shard_note(path: Path) -> str | None:
             held = sum(1 for s in index.weight_map.values() if s == path.name)
             return (
                 f"{path.name} is shard {int(m['i'])} of {int(m['n'])} of a sharded checkpoint: it holds {held} of "
-                f"the {len(index.weight_map)} tensors its index {index.path} lists; give that index or "
-                f"{index.folder} for the whole model"
+                f"the {len(index.weight_map)} tensors its index {index.path} lists; give that index"
+                + (f" or {index.folder}" if name in HF_INDEXES else "")  # a folder opens by the usual names only
+                + " for the whole model"
             )
     return None
 
