@@ -309,7 +309,8 @@ def events(out: Path, name: str) -> list[dict]:
     return [r for r in records(out) if r.get("event") == name]
 
 
-ALIVE = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING")
+# SIGNALING: slurmctld is delivering a signal (the time-limit USR1) to a running job.
+ALIVE = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SIGNALING")
 
 
 def wait_for_records(
