@@ -224,3 +224,62 @@ def test_ignite_loads_like_ignite() -> None:
     handlers.Checkpoint.load_objects({"model": theirs}, torch.load(FW / "ignite/checkpoint_2.pt", weights_only=False))
     ckptkit.load_for_rank(FW / "ignite/checkpoint_2.pt", model=net)
     _same(net.state_dict(), theirs.state_dict())
+
+
+# -- torchtitan: the model's weights flattened at the top level ----------------------------------
+
+TITAN = FW / "torchtitan" / "step-2"  # written by torchtitan's CheckpointManager
+
+
+def _titan_weights() -> dict[str, torch.Tensor]:
+    """What torchtitan's model-only load gives: DCP's own load of the model's flattened names."""
+    import torch.distributed.checkpoint as dcp
+
+    from fixtures.make_framework_fixtures import TitanLM
+    from tests.torchcompat import LOAD_ALONE
+
+    state = {k: torch.empty_like(v) for k, v in TitanLM().state_dict().items()}
+    dcp.load(state, checkpoint_id=str(TITAN), **LOAD_ALONE)
+    return state
+
+
+# Was: ckptkit took train_state ({"step": tensor}) for the model: 1 tensor, exit 0; or, in a file
+# without one, "no model state dict found", with no --key for the top level.
+@pytest.mark.parametrize("form", ["dcp", "file"])
+def test_a_torchtitan_checkpoint_is_read_as_its_flattened_model_weights(tmp_path: Path, form: str) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from fixtures.make_framework_fixtures import TitanLM
+
+    src = TITAN
+    if form == "file":  # torch's own conversion of the folder: the same layout in one file
+        src = tmp_path / "titan.pt"
+        dcp_to_torch_save(TITAN, src)
+    want = _titan_weights()
+    s = ckptkit.inspect_checkpoint(src)
+    assert s.producer is not None and (s.producer["name"], s.weights_at) == ("torchtitan", ".")
+    assert [e["name"] for e in s.entries] == ["train_state", "optimizer", "dataloader", "lr_scheduler"]
+    model = TitanLM()
+    ckptkit.load_for_rank(src, model=model)
+    _same(model.state_dict(), want)
+    report = ckptkit.convert_checkpoint(src, tmp_path / "model.safetensors", model_only=True)
+    assert report.weights_at == "." and report.dropped == ["train_state", "optimizer", "dataloader", "lr_scheduler"]
+    _same(load_file(tmp_path / "model.safetensors"), want)
+    ckptkit.convert_checkpoint(src, tmp_path / "all.pt")  # the rest kept, in its place
+    whole = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert list(whole)[:4] == ["train_state", "optimizer", "dataloader", "lr_scheduler"]
+    _same({k: whole[k] for k in want}, want)
+    assert int(whole["train_state"]["step"]) == 2
+
+
+def test_key_dot_selects_the_tensors_among_the_top_levels_entries(tmp_path: Path) -> None:
+    weights = {"weight": torch.ones(2, 1), "bias": torch.zeros(2)}
+    torch.save({**weights, "epoch": 3, "opt": {"lr": 0.1}}, tmp_path / "ckpt.pt")
+    with pytest.raises(ckptkit.errors.LayoutError, match="no model state dict found"):
+        ckptkit.load_for_rank(tmp_path / "ckpt.pt", model=torch.nn.Linear(1, 2))  # no module path: not taken unasked
+    model = torch.nn.Linear(1, 2)
+    ckptkit.load_for_rank(tmp_path / "ckpt.pt", model=model, key=".")
+    _same(model.state_dict(), weights)
+    code, out, err = run("convert", tmp_path / "ckpt.pt", tmp_path / "w.safetensors", "--key", ".", "--model-only")
+    assert code == 0 and "(weights at the top level, beside its other entries)" in out, err
+    _same(load_file(tmp_path / "w.safetensors"), weights)

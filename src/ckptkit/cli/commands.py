@@ -10,7 +10,7 @@ import click
 import ckptkit  # each command touches only its own function: the package imports it on first use
 
 from .base import BIG, emit_json, handle_errors, main
-from .render import human_bytes, progress_bar, render_diff, render_summary, render_verify
+from .render import human_bytes, progress_bar, render_diff, render_summary, render_verify, weights_where
 
 ALLOW_GLOBAL = click.option(
     "--allow-global",
@@ -42,7 +42,7 @@ ALLOW_GLOBAL = click.option(
     "--key",
     metavar="PATH",
     help="Where the weights are in SRC, e.g. ema or ema/model; student. (ending in .) "
-    "picks the keys under that prefix, with --model-only.",
+    "picks the keys under that prefix, with --model-only; . picks the tensors among the top level's entries.",
 )
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling of SRC. Only for files you trust.")
 @ALLOW_GLOBAL
@@ -159,7 +159,7 @@ def convert(
             "or safetensors.torch.load_model; load_file + a strict load_state_dict would miss them",
             err=True,
         )
-    where = f" (weights at '{report.weights_at}')" if report.weights_at else ""
+    where = f" (weights at {weights_where(report.weights_at)})" if report.weights_at else ""
     stored = f" ({report.tensors - len(report.tied)} stored)" if report.tied else ""
     stored += f" in {report.shards} shards" if report.shards > 1 else ""
     click.echo(

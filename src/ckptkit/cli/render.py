@@ -102,7 +102,7 @@ def render_summary(s: Any, *, show_all: bool = False) -> None:
     if s.weights_at is None:
         out.print("No model state dict found (use --key to point at it).")
     else:
-        where = f"'{s.weights_at}'" if s.weights_at else "the top level"
+        where = weights_where(s.weights_at)
         by_dtype = ", ".join(f"{d} {human_bytes(b)}" for d, b in s.bytes_by_dtype.items())
         devices = ", ".join(f"{d} ({n})" if len(s.devices) > 1 else d for d, n in s.devices.items())
         shared = f" ({s.shared} sharing another's storage: stored once)" if s.shared else ""
@@ -149,7 +149,7 @@ def _render_producer(out: Any, p: dict[str, Any]) -> None:
             if ema
             else ""
         )
-        out.print(f"  weights: {p['weights'] or 'the top level'}{also}")
+        out.print(f"  weights: {p['weights'] if p['weights'] not in ('', '.') else weights_where(p['weights'])}{also}")
     for note in p.get("notes", []):
         out.print(f"  note: {note}")
     if p.get("files"):
@@ -193,3 +193,10 @@ def render_verify(r: Any) -> None:
         mark = "[green]ok  [/]" if c.ok else "[red]FAIL[/]"
         out.print(f"{mark} {escape(c.name)}" + (f": {escape(c.detail)}" if c.detail else ""))
     out.print(f"{escape(str(r.path))}: {'[green]verified[/]' if r.ok else '[red]problems found[/]'}")
+
+
+def weights_where(weights_at: str) -> str:
+    """Where the weights were, in words: ``'model'``; the top level; beside the top level's other entries."""
+    if weights_at == ".":  # torchtitan: the tensors among the top level's other entries
+        return "the top level, beside its other entries"
+    return f"'{weights_at}'" if weights_at else "the top level"

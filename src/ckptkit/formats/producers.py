@@ -164,6 +164,17 @@ def recognise(obj: Any, *, is_tensor: IsTensor) -> Producer | None:
                 "for those"
             ],
         )
+    if _TORCHTITAN <= set(obj) and any(is_tensor(v) for v in obj.values()):
+        return Producer(
+            "torchtitan",
+            "torchtitan CheckpointManager checkpoint",
+            weights=".",
+            notes=[
+                "torchtitan flattens the model's weights into the top level, beside "
+                f"{', '.join(sorted(_TORCHTITAN))}: --key . selects them (the default here); the optimizer's state "
+                "is at 'optimizer', keyed by parameter name"
+            ],
+        )
     engines = [
         str(k)
         for k, v in obj.items()
@@ -176,6 +187,10 @@ def recognise(obj: Any, *, is_tensor: IsTensor) -> Producer | None:
         )
         return Producer("ignite", what, ema=_first(ema_entries(obj, is_tensor)))
     return None
+
+
+# What torchtitan's CheckpointManager saves beside the model's flattened weights (and "dataloader").
+_TORCHTITAN = frozenset({"optimizer", "lr_scheduler", "train_state"})
 
 
 def _first(names: list[str]) -> str | None:

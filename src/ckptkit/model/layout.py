@@ -2,7 +2,9 @@
 
 Users meet a bare state dict, or a training checkpoint that nests one under ``state_dict``
 (Lightning), ``model``, ``model_state_dict``, ``module`` (some DDP scripts) and friends; an EMA
-copy beside them (``state_dict_ema``, ``model_ema``) is taken only when asked for by ``key``. The
+copy beside them (``state_dict_ema``, ``model_ema``) is taken only when asked for by ``key``.
+torchtitan flattens the model's weights into the top level itself, beside ``optimizer``,
+``lr_scheduler`` and ``train_state``: those tensors are the weights (path ``(TOP,)``). The
 lookup never imports torch: the caller says what counts as a tensor, so the same code serves
 real tensors and the placeholders of the torch-free reader.
 """
@@ -10,7 +12,7 @@ real tensors and the placeholders of the torch-free reader.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import LayoutError, spell, summarize
@@ -18,6 +20,27 @@ from ..formats.producers import is_ema_name
 from ..prefix import check_prefix, strip_prefix
 
 MODEL_KEYS: tuple[str, ...] = ("state_dict", "model", "model_state_dict", "module", "net", "network", "weights")
+TOP = "."  # a path's last part (and a key's): the tensors among that level's other entries
+
+
+def prefix_of(path: tuple[str, ...]) -> str:
+    """The prefix a path's last part selects (``"student."``), or ``""`` where it selects none.
+
+    Example:
+        >>> prefix_of(("model", "student.")), prefix_of((TOP,)), prefix_of(("model",))
+        ('student.', '', '')
+    """
+    return path[-1] if path and path[-1] != TOP and path[-1].endswith(".") else ""
+
+
+def tensors_at(node: Mapping[Any, Any], is_tensor: Callable[[Any], bool]) -> OrderedDict[str, Any]:
+    """The tensor entries among ``node``'s entries (torchtitan's flattened weights).
+
+    Example:
+        >>> list(tensors_at({"layers.0.w": 1.0, "optimizer": {}}, lambda v: isinstance(v, float)))
+        ['layers.0.w']
+    """
+    return OrderedDict((k, v) for k, v in node.items() if isinstance(k, str) and is_tensor(v))
 
 
 def _default_is_tensor(value: Any) -> bool:
@@ -56,7 +79,8 @@ def find_model_state(
         obj: what the checkpoint holds.
         key: where the weights are, as ``"ema"`` or a path ``"ema/model"``; found
             automatically when omitted. A last part ending in ``.`` selects the keys under
-            that prefix, which it removes: ``"student."``, ``"model/student."``.
+            that prefix, which it removes: ``"student."``, ``"model/student."``; a last part
+            ``.`` alone selects the tensors among that level's entries: ``"."`` the top level's.
         is_tensor: predicate for tensor values (default: ``isinstance(v, torch.Tensor)``).
         source: the file name, for error messages.
         option: the caller's name for ``key`` (``key_a`` for diff's first file), for messages.
@@ -70,6 +94,12 @@ def find_model_state(
     """
     is_tensor = is_tensor or _default_is_tensor
     say = spell(f"{option}=", "--" + option.replace("_", "-"))
+    if key is not None and (key == TOP or key.endswith("/" + TOP)):
+        base = key[: -len(TOP)].rstrip("/")
+        node = _walk(obj, tuple(p for p in base.split("/") if p), source) if base else obj
+        if not isinstance(node, Mapping) or not (flat := tensors_at(node, is_tensor)):
+            raise LayoutError(f"{source}: no tensors among the entries at {base or 'the top level'}")
+        return (*(p for p in base.split("/") if p), TOP), flat
     if key is not None and key.endswith("."):
         base, _, prefix = key.rpartition("/")
         path, state = find_model_state(obj, key=base or None, is_tensor=is_tensor, source=source, option=option)
@@ -78,16 +108,8 @@ def find_model_state(
             raise LayoutError(f"{source}: no weight starts with {prefix!r} (they start with {summarize(heads)})")
         return (*path, prefix), select_prefix(state, prefix)
     if key is not None:
-        node = obj
         path = tuple(p for p in key.split("/") if p)
-        for depth, part in enumerate(path):
-            if not isinstance(node, Mapping) or part not in node:
-                where = "/".join(path[:depth]) or "the top level"
-                have = list(node.keys()) if isinstance(node, Mapping) else []
-                raise LayoutError(
-                    f"{source}: no entry {part!r} at {where} (entries: {summarize([str(k) for k in have]) or 'none'})"
-                )
-            node = node[part]
+        node = _walk(obj, path, source)
         if not is_state_dict(node, is_tensor):
             raise LayoutError(f"{source}: entry {key!r} is not a state dict (a mapping of names to tensors)")
         return path, node
@@ -97,6 +119,10 @@ def find_model_state(
         for name in MODEL_KEYS:
             if name in obj and is_state_dict(obj[name], is_tensor):
                 return (name,), obj[name]
+        # Module paths among other entries: the model's weights, flattened there (torchtitan). Before
+        # the single-state-dict rule: torchtitan's train_state ({"step": tensor}) is one too.
+        if (flat := tensors_at(obj, is_tensor)) and any("." in k for k in flat):
+            return (TOP,), flat
         candidates = [str(k) for k, v in obj.items() if is_state_dict(v, is_tensor)]
         trained = [c for c in candidates if not is_ema_name(c)]
         if (
@@ -132,10 +158,38 @@ def select_prefix(state_dict: Mapping[str, Any], prefix: str) -> OrderedDict[str
     return strip_prefix(sub, prefix)
 
 
-def replace_at(obj: Any, path: tuple[str, ...], value: Any) -> Any:
-    """Return ``obj`` with the entry at ``path`` replaced by ``value`` (containers copied shallowly)."""
+def _walk(obj: Any, path: tuple[str, ...], source: str) -> Any:
+    node = obj
+    for depth, part in enumerate(path):
+        if not isinstance(node, Mapping) or part not in node:
+            where = "/".join(path[:depth]) or "the top level"
+            have = list(node.keys()) if isinstance(node, Mapping) else []
+            raise LayoutError(
+                f"{source}: no entry {part!r} at {where} (entries: {summarize([str(k) for k in have]) or 'none'})"
+            )
+        node = node[part]
+    return node
+
+
+def replace_at(obj: Any, path: tuple[str, ...], value: Any, *, selected: Iterable[str] = ()) -> Any:
+    """Return ``obj`` with the entry at ``path`` replaced by ``value`` (containers copied shallowly).
+    A path ending in :data:`TOP` replaces the ``selected`` entries there by ``value``'s, in their place.
+
+    Example:
+        >>> replace_at({"a.w": 1, "opt": {}}, (TOP,), {"w": 2}, selected=["a.w"])
+        {'w': 2, 'opt': {}}
+    """
+    if path == (TOP,):
+        chosen, out, placed = set(selected), {}, False
+        for k, v in obj.items():
+            if k not in chosen:
+                out[k] = v
+            elif not placed:
+                out.update(value)
+                placed = True
+        return out if placed else {**value, **out}
     if not path:
         return value
     copy = obj.copy() if hasattr(obj, "copy") else dict(obj)
-    copy[path[0]] = replace_at(obj[path[0]], path[1:], value)
+    copy[path[0]] = replace_at(obj[path[0]], path[1:], value, selected=selected)
     return copy

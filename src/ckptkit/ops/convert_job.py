@@ -25,7 +25,7 @@ from ..formats.source import checkpoint_bytes
 from ..formats.spec import CheckpointFormat, Info, View, WritePlan
 from ..io.atomic import atomic_write
 from ..io.store import Location
-from ..model.layout import find_model_state, replace_at
+from ..model.layout import TOP, find_model_state, prefix_of, replace_at
 from ..model.unwrap import without_averaged_count
 from ..prefix import rewrite_prefixes
 from .reports import ConvertReport, other_wrapped_weights, renamed_prefixes
@@ -112,8 +112,11 @@ class Job:
         new_state: Mapping[str, Any] = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
         if self.cast is not None:  # after renaming: the report names tensors as they are written
             new_state = self.cast(new_state)
-        others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
-        if path and path[-1].endswith("."):  # key="student.": part of the weights
+        if path == (TOP,):  # torchtitan: the weights among the top level's entries
+            others = [str(k) for k in obj if k not in state]
+        else:
+            others = [str(k) for k in obj if k != path[0]] if path and isinstance(obj, Mapping) else []
+        if prefix_of(path):  # key="student.": part of the weights
             if not self.model_only:
                 raise ArgumentError(
                     f"{spell(f'key={self.key!r}', f'--key {self.key}')} selects part of {self.source}'s weights; "
@@ -130,13 +133,13 @@ class Job:
                 f"{self.source} holds {summarize(others)} besides the weights, and {self.out_fmt.name} stores "
                 f"tensors only; pass {spell('model_only=True', '--model-only')} to write just the model weights"
             )
-        out = new_state if self.model_only else replace_at(obj, path, new_state)
+        out = new_state if self.model_only else replace_at(obj, path, new_state, selected=state)
         if self.finish is not None:  # on what is written only: what --model-only drops needs no change
             out = self.finish(out)
             new_state = out if self.model_only or not path else new_state
         written = self._write(view, out, new_state)
         # Names as the source spells them: key="student." selected them with the prefix removed.
-        chosen = path[-1] if path and path[-1].endswith(".") else ""
+        chosen = prefix_of(path)
         names = [chosen + k for k in state]
         before, after = renamed_prefixes(names, list(new_state))
         notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []

@@ -27,7 +27,7 @@ from ..formats.source import checkpoint_bytes
 from ..formats.spec import TensorInfo
 from ..formats.torchzip import modulepickle as mp
 from ..io.store import locate
-from ..model.layout import find_model_state
+from ..model.layout import TOP, find_model_state
 from ..prefix import detect_prefixes
 from .inspect_read import name_producer, read_view, read_with_torch
 
@@ -206,6 +206,8 @@ def _inspect(path: str, *, key: str | None, trust: bool, allow_globals: AllowGlo
         where, state = None, {}
     if isinstance(obj, Mapping) and where != ():  # a bare state dict's entries are its tensors, listed below
         for k, v in obj.items():
+            if where == (TOP,) and k in state:  # the weights themselves, listed below
+                continue
             kind, detail = _describe(v, is_tensor)
             summary.entries.append({"name": str(k), "kind": kind, "detail": detail})
         ck = obj.get("ckptkit")
