@@ -283,3 +283,31 @@ def test_key_dot_selects_the_tensors_among_the_top_levels_entries(tmp_path: Path
     code, out, err = run("convert", tmp_path / "ckpt.pt", tmp_path / "w.safetensors", "--key", ".", "--model-only")
     assert code == 0 and "(weights at the top level, beside its other entries)" in out, err
     _same(load_file(tmp_path / "w.safetensors"), weights)
+
+
+# -- PEFT adapters ---------------------------------------------------------------------------------
+
+ADAPTER = FW / "peft" / "adapter"  # written by PeftModel.save_pretrained (LoRA r=4 on q_proj, v_proj)
+
+
+# Was: an adapter was named as nothing, its folder was refused ("give a file"), and diff had no
+# --strip to compare it with its names stripped.
+def test_a_peft_adapter_is_named_read_whole_and_diffed_with_strip(tmp_path: Path) -> None:
+    want = load_file(ADAPTER / "adapter_model.safetensors")
+    for src in (ADAPTER, ADAPTER / "adapter_model.safetensors"):
+        s = ckptkit.inspect_checkpoint(src)
+        assert s.producer is not None and s.producer["name"] == "peft", s.producer
+        assert s.producer["what"] == "PEFT LoRA adapter (rank 4 on q_proj, v_proj, 4 modules)"
+        report = ckptkit.convert_checkpoint(src, tmp_path / "same.safetensors", force=True)
+        assert report.renamed == 0  # PEFT's names are what PEFT loads: kept
+        _same(load_file(tmp_path / "same.safetensors"), want)
+    code, out, err = run("convert", ADAPTER, tmp_path / "plain.safetensors", "--strip", "base_model.model.")
+    assert code == 0, err
+    assert run("diff", ADAPTER, tmp_path / "plain.safetensors")[0] == 1  # no shared names
+    code, out, err = run("diff", ADAPTER, tmp_path / "plain.safetensors", "--strip", "base_model.model.")
+    assert code == 0 and "same weights: 8 tensors compared" in out, (out, err)
+
+
+def test_a_peft_adapter_reads_like_peft() -> None:
+    peft_utils = _framework("peft.utils")
+    _same(ckptkit.load_for_rank(ADAPTER), peft_utils.load_peft_weights(str(ADAPTER)))

@@ -199,6 +199,12 @@ def inspect(
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance.")
 @click.option("--key-a", metavar="PATH", help="Where the weights are in A.")
 @click.option("--key-b", metavar="PATH", help="Where the weights are in B.")
+@click.option(
+    "--strip",
+    multiple=True,
+    metavar="PREFIX",
+    help="Also remove PREFIX where a key has it, on both sides (repeatable).",
+)
 @click.option("--trust", is_flag=True, help="Allow arbitrary unpickling. Only for files you trust.")
 @ALLOW_GLOBAL
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -210,6 +216,7 @@ def diff(
     rtol: float,
     key_a: str | None,
     key_b: str | None,
+    strip: tuple[str, ...],
     trust: bool,
     allow_global: tuple[str, ...],
     as_json: bool,
@@ -227,6 +234,7 @@ def diff(
             rtol=rtol,
             key_a=key_a,
             key_b=key_b,
+            strip=strip,
             trust=trust,
             allow_globals=allow_global,
             progress=progress,

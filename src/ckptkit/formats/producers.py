@@ -131,6 +131,8 @@ def recognise(obj: Any, *, is_tensor: IsTensor) -> Producer | None:
     """
     if not isinstance(obj, Mapping):
         return None
+    if (adapter := _peft(obj, is_tensor)) is not None:
+        return adapter
     if is_averaged(obj, is_tensor):
         return Producer(
             "averaged-model",
@@ -191,6 +193,47 @@ def recognise(obj: Any, *, is_tensor: IsTensor) -> Producer | None:
 
 # What torchtitan's CheckpointManager saves beside the model's flattened weights (and "dataloader").
 _TORCHTITAN = frozenset({"optimizer", "lr_scheduler", "train_state"})
+
+
+# A LoRA weight as PEFT names it: <module>.lora_A.weight in a saved adapter, <module>.lora_A.<adapter>.weight
+# in a PeftModel's own state dict (beside <module>.base_layer.weight).
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+
+
+def _peft(obj: Mapping[Any, Any], is_tensor: IsTensor) -> Producer | None:
+    """A PEFT LoRA adapter (or a PeftModel's whole state dict), named by its LoRA tensors."""
+    ranks: set[int] = set()
+    modules: set[str] = set()
+    for k, v in obj.items():
+        if isinstance(k, str) and is_tensor(v) and (m := _LORA.match(k)):
+            modules.add(m["module"])
+            shape: tuple[int, ...] = tuple(getattr(v, "shape", ()))
+            if m["ab"] == "A" and len(shape) == 2:
+                ranks.add(int(shape[0]))
+    if not modules:
+        return None
+    targets = ", ".join(sorted({m.rsplit(".", 1)[-1] for m in modules}))
+    rank = f"rank {', '.join(map(str, sorted(ranks)))}" if ranks else "rank unknown"
+    if any(isinstance(k, str) and ".base_layer." in k for k in obj):
+        return Producer(
+            "peft-model",
+            f"PEFT model state dict (LoRA {rank} on {targets}, {len(modules)} modules, beside the base weights)",
+            weights="",
+            notes=[
+                "a PeftModel's own state dict: the base weights are under base_layer and the adapter's are named "
+                "lora_A.<adapter>, names no plain model has; PeftModel loads it, and merge_and_unload() gives plain "
+                "weights"
+            ],
+        )
+    return Producer(
+        "peft",
+        f"PEFT LoRA adapter ({rank} on {targets}, {len(modules)} modules)",
+        weights="",
+        notes=[
+            "an adapter, not a model's weights: PEFT applies it to its base model (PeftModel.from_pretrained), whose "
+            "base_model.model. prefix its names keep; merged into the base (merge_and_unload), it gives plain weights"
+        ],
+    )
 
 
 def _first(names: list[str]) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,14 +56,15 @@ def _weights(path: str, key: str | None, trust: bool, allow_globals: AllowGlobal
     return find_model_state(obj, key=key, source=path, option=option)[1]
 
 
-def _unwrapped(path: str, state: Any, other: Any, notes: list[str]) -> Any:
-    """The weights as a plain model names them. An averaging wrapper's count is set aside (and
-    said so) where the other side has none, as convert unwraps it; two averages compare counts."""
+def _unwrapped(path: str, state: Any, other: Any, notes: list[str], strip: list[str]) -> Any:
+    """The weights as a plain model names them, each ``strip`` prefix removed where a key has it.
+    An averaging wrapper's count is set aside (and said so) where the other side has none, as
+    convert unwraps it; two averages compare counts."""
     count = averaged_count(state)
     if count is not None and averaged_count(other) != count:
         notes.append(f"{path}: {count} ({AVERAGED_COUNTS[count]}) set aside: a plain model has no such buffer")
         state = without_averaged_count(state)
-    return rewrite_prefixes(state, to="single")
+    return rewrite_prefixes(state, to="single", strip=strip)
 
 
 def _compare(name: str, x: Any, y: Any, atol: float, rtol: float) -> TensorDiff | None:
@@ -100,6 +101,7 @@ def diff_checkpoints(
     rtol: float = 0.0,
     key_a: str | None = None,
     key_b: str | None = None,
+    strip: Iterable[str] = (),
     trust: bool = False,
     allow_globals: AllowGlobals = (),
     progress: Callable[[int, int], None] | None = None,
@@ -107,7 +109,9 @@ def diff_checkpoints(
     """Compare the model weights of two checkpoints across formats and wrapper prefixes.
 
     Keys are compared after removing wrapper prefixes on both sides, so a DDP ``.pt`` and
-    its single-device ``.safetensors`` compare equal. A tensor differs when its shape or dtype
+    its single-device ``.safetensors`` compare equal; each ``strip`` prefix (e.g. PEFT's
+    ``base_model.model.``, Lightning's ``model.``) is removed too, on either side where a key has
+    it, as ``convert --strip`` removes it. A tensor differs when its shape or dtype
     differ, or some element exceeds ``atol + rtol * |b|`` (exact equality by default).
     ``progress(bytes_compared_now, bytes_total)`` is called after each tensor pair.
 
@@ -119,7 +123,8 @@ def diff_checkpoints(
     report = DiffReport(pa, pb, atol=atol, rtol=rtol)
     report.notes = [note for p in (pa, pb) if os.path.isfile(p) and (note := shard_note(Path(p)))]
     sa, sb = _weights(pa, key_a, trust, allow_globals, "key_a"), _weights(pb, key_b, trust, allow_globals, "key_b")
-    wa, wb = _unwrapped(pa, sa, sb, report.notes), _unwrapped(pb, sb, sa, report.notes)
+    strip = list(strip)
+    wa, wb = _unwrapped(pa, sa, sb, report.notes, strip), _unwrapped(pb, sb, sa, report.notes, strip)
     report.only_in_a = [k for k in wa if k not in wb]
     report.only_in_b = [k for k in wb if k not in wa]
     pairs = [(name, x, wb[name]) for name, x in wa.items() if name in wb]

@@ -31,6 +31,8 @@ HF_SINGLE = (
     "pytorch_model.bin",
     "diffusion_pytorch_model.safetensors",
     "diffusion_pytorch_model.bin",
+    "adapter_model.safetensors",  # PeftModel.save_pretrained's, in a folder holding no model weights
+    "adapter_model.bin",
 )
 
 
