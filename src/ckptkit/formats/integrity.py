@@ -25,6 +25,7 @@ from ..io.fileio import Progress, crc32, crc_of_range
 from .hf.detect import HF, shard_format
 from .hf.index import read_index
 from .pickles import reader as tp
+from .pickles.scan import sharded_tensor_error
 from .safetensors.codec import (
     ALIASES_KEY,
     CRC_KEY,
@@ -84,6 +85,8 @@ def zip_checks(z: TorchZip, *, full: bool, progress: Progress | None = None) -> 
     try:
         obj, safe = tp.loads(data, on_storage=fit), "only tensors, containers and plain values"
     except tp.UnsupportedGlobal:
+        if (sharded := sharded_tensor_error(data, str(z.path))) is not None:
+            raise sharded from None  # intact, and not a checkpoint to read alone
         try:
             fit = StorageFit(z)  # read again from the start
             module = mp.read_module(data, on_storage=fit)

@@ -26,6 +26,7 @@ from .hf.detect import HF, shard_format
 from .hf.index import HfIndex, check_shard_keys, read_index
 from .integrity import Damage, record_crc, record_tensors, tensors_named
 from .pickles import reader as lp
+from .pickles.scan import sharded_tensor_error
 from .producers import Producer
 from .safetensors.codec import insert_aliases, parse_aliases, parse_crcs, read_header, shown_metadata
 from .safetensors.detect import SAFETENSORS
@@ -282,6 +283,8 @@ def _read_source(path: Path, fmt: str, f: BinaryIO) -> Source:
         try:
             pickled = lp.loads(data)
         except lp.UnsupportedGlobal as e:
+            if (sharded := sharded_tensor_error(data, str(path))) is not None:
+                raise sharded from None  # as verify's zip_checks says it
             try:  # a whole pickled module (torch.save(model)): its state_dict(), nothing run
                 module = mp.read_module(data)  # or UnsafeModulePickle, for the caller to refuse
             except mp.NotAModule:

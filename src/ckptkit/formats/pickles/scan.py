@@ -25,7 +25,7 @@ import pickletools
 import zipfile
 from typing import Any, BinaryIO, cast
 
-from ...errors import PARSE_ERRORS, CheckpointFormatError
+from ...errors import PARSE_ERRORS, CheckpointFormatError, UnsupportedCheckpointError
 from ...io.fileio import ClampedReader
 from ..detect import sniff
 from ..dtypes import NUMPY_DTYPE_CLASSES
@@ -42,6 +42,39 @@ _BUILDS = {"numpy.random._pickle.__randomstate_ctor": "numpy.random.mtrand.Rando
 
 def _python3_name(module: str, name: str, protocol: int) -> str:
     return ".".join(python3_name(module, name, protocol))  # what pickle.Unpickler(fix_imports=True) does
+
+
+SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+
+
+def sharded_tensor_error(data: bytes, source: str) -> UnsupportedCheckpointError | None:
+    """Why a pickle of torch ShardedTensors (one rank's FSDP1 SHARDED or LOCAL state dict, as
+    ``torch.save`` wrote it) cannot be read alone, and what to give instead; None for any other.
+
+    Example:
+        >>> sharded_tensor_error(b"\\x80\\x02}q\\x00.", "a.pt") is None
+        True
+    """
+    try:
+        found = pickle_globals(data)
+    except CheckpointFormatError:
+        return None
+    if SHARDED_TENSOR not in found:
+        return None
+    others = sorted({g for g in found if g.startswith("torch.distributed.")} - {SHARDED_TENSOR})
+    names = f"globals {SHARDED_TENSOR}" + (f" and {len(others)} more of torch.distributed" if others else "")
+    if b"flat_param" in data:  # FSDP1's LOCAL_STATE_DICT: one flat parameter per FSDP unit
+        return UnsupportedCheckpointError(
+            f"{source}: one rank's FSDP LOCAL_STATE_DICT ({names}): this rank's slice of each flattened "
+            "parameter (_flat_param), which needs its process group to load and is not weights on its own; give "
+            "a FULL_STATE_DICT (FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT) on save), or the "
+            "SHARDED_STATE_DICT saved with torch.distributed.checkpoint, which ckptkit reads whole"
+        )
+    return UnsupportedCheckpointError(
+        f"{source}: one rank's FSDP SHARDED_STATE_DICT saved with torch.save ({names}): this rank's part of "
+        "each weight, which needs its process group to load; save that state dict with "
+        "torch.distributed.checkpoint.save instead (ckptkit reads the folder whole), or give a FULL_STATE_DICT"
+    )
 
 
 def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
