@@ -294,6 +294,8 @@ def quantized_state() -> dict[str, torch.Tensor]:
         "layers.1.mlp.up_proj.weight.nested_absmax": torch.rand(1, generator=g),
         "layers.1.mlp.up_proj.weight.nested_quant_map": torch.randn(256, generator=g),
         "layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4": torch.arange(8, dtype=torch.uint8),
+        "layers.2.self_attn.q_proj.qweight": torch.randint(0, 2**31 - 1, (1, 8), generator=g, dtype=torch.int32),
+        "layers.2.self_attn.q_proj.scales": torch.rand(1, 8, generator=g).half(),  # GPTQ's, which kernels take in fp16
         "norm.weight": torch.randn(8, generator=g),
     }
 
@@ -321,7 +323,7 @@ def test_a_quantized_weights_scales_and_codebook_are_left_as_they_are(tmp_path: 
         else:
             assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
     assert (
-        "left 4 quantization-state tensors as they are (layers.0.mlp.down_proj.weight_scale_inv, ...): "
+        "left 5 quantization-state tensors as they are (layers.0.mlp.down_proj.weight_scale_inv, ...): "
         "quantized weights decode with them"
     ) in report.notes
 

@@ -53,6 +53,8 @@ QUANT_STATE = frozenset(
         "kv_scale",
         "weight_zero_point",
         "input_zero_point",
+        # GPTQ and AWQ: per-group scales beside the packed int32 qweight and qzeros (their kernels take fp16)
+        "scales",
         # bitsandbytes 4-bit and 8-bit (weight.absmax, weight.quant_map, ..., SCB)
         "absmax",
         "quant_map",
