@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 SRC = Path(__file__).resolve().parent.parent / "src"
-HELP = re.compile(r"<!-- click-help: ([a-z ]*) -->")
+HELP = re.compile(r"<!-- click-help: ([a-z -]*) -->")
 API = re.compile(r"^::: ckptkit\.(\w+)\s*$", re.M)
 
 

@@ -255,7 +255,7 @@ def test_commit_outside_the_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_top_level_is_small_and_resolves() -> None:
-    assert len(ckptkit.__all__) <= 26
+    assert len(ckptkit.__all__) <= 28
     for name in ckptkit.__all__:
         assert getattr(ckptkit, name) is not None
     for name in ckptkit.errors.__all__:
@@ -271,7 +271,7 @@ def test_the_top_level_is_small_and_resolves() -> None:
     for name in ("UnsafeCheckpointError", "detect_prefixes", "find_model_state", "TensorInfo"):
         assert not hasattr(ckptkit, name), name
     # what the operations return is public, so callers can type against it
-    for name in ("ConvertReport", "VerifyReport", "DiffReport", "CheckpointSummary"):
+    for name in ("ConvertReport", "VerifyReport", "DiffReport", "CheckpointSummary", "AdapterReport"):
         assert name in ckptkit.__all__ and isinstance(getattr(ckptkit, name), type), name
     assert ckptkit.errors.UnsafeCheckpointError.__module__ == "ckptkit.errors"
     assert "detect_prefixes" in ckptkit.prefix.__all__

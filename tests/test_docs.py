@@ -138,7 +138,7 @@ def test_the_cli_page_renders_highlighted_code_and_every_commands_options(served
     assert re.search(r"md-clipboard|md-code__button", dom), (
         "Material's scripts did not run: no copy buttons on the code blocks"
     )
-    for command in ("convert", "inspect", "diff", "verify", "train"):
+    for command in ("convert", "inspect", "diff", "verify", "check-adapter", "train"):
         assert f"ckptkit {command} --help" in dom, command
     assert "--max-shard-size" in dom and "--allow-global" in dom and "--save-every" in dom
     assert "click-help" not in dom, "a --help marker was left unreplaced"

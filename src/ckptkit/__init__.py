@@ -44,6 +44,7 @@ _PUBLIC: dict[str, str] = {
     "inspect_checkpoint": ".ops.inspect",
     "diff_checkpoints": ".ops.diff",
     "verify_checkpoint": ".ops.verify",
+    "check_adapter": ".ops.adapter",
     "unwrap_model": ".model.unwrap",
     "strip_prefix": ".prefix",
     "add_prefix": ".prefix",
@@ -52,6 +53,7 @@ _PUBLIC: dict[str, str] = {
     "VerifyReport": ".ops.verify",
     "DiffReport": ".ops.diff",
     "CheckpointSummary": ".ops.inspect",
+    "AdapterReport": ".ops.adapter",
 }
 
 # The public submodules, imported on first use like the names above.
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
     from .distributed.devices import device_for_rank
     from .distributed.preempt import StopSignal
     from .model.unwrap import unwrap_model
+    from .ops.adapter import AdapterReport, check_adapter
     from .ops.async_save import AsyncSaver
     from .ops.convert import convert_checkpoint
     from .ops.diff import DiffReport, diff_checkpoints

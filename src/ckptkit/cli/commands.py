@@ -1,4 +1,4 @@
-"""``convert``, ``inspect``, ``diff`` and ``verify``: each parses, calls the library, renders."""
+"""``convert``, ``inspect``, ``diff``, ``verify`` and ``check-adapter``: each parses, calls the library, renders."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import click
 import ckptkit  # each command touches only its own function: the package imports it on first use
 
 from .base import BIG, emit_json, handle_errors, main
-from .render import human_bytes, progress_bar, render_diff, render_summary, render_verify, weights_where
+from .render import human_bytes, progress_bar, render_adapter, render_diff, render_summary, render_verify, weights_where
 
 ALLOW_GLOBAL = click.option(
     "--allow-global",
@@ -246,6 +246,30 @@ def diff(
     else:
         render_diff(report)
     sys.exit(0 if report.equal else 1)
+
+
+@main.command("check-adapter")
+@click.argument("adapter", type=click.Path(path_type=str, readable=False))
+@click.argument("base", type=click.Path(path_type=str, readable=False))
+@click.option("--trust", is_flag=True, help="Allow arbitrary unpickling. Only for files you trust.")
+@ALLOW_GLOBAL
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors(trouble=2)
+def check_adapter(adapter: str, base: str, trust: bool, allow_global: tuple[str, ...], as_json: bool) -> None:
+    """Will the PEFT LoRA ADAPTER (its folder or file) apply to the BASE checkpoint, as PEFT loads it?
+
+    Reports adapter keys that name no base module (with the convert that fixes them), targeted
+    modules without an adapter, shapes that do not fit, and all-zero lora_B tensors. Exit 0 when
+    it applies, 1 on any finding, 2 on trouble.
+    """
+    report = ckptkit.check_adapter(adapter, base, trust=trust, allow_globals=allow_global)
+    for note in [] if as_json else report.notes:
+        click.echo(f"note: {note}", err=True)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        render_adapter(report)
+    sys.exit(0 if report.ok else 1)
 
 
 @main.command()

@@ -185,6 +185,36 @@ def render_diff(r: Any) -> None:
             out.print(f"... {len(r.differences) - 50} more (--json lists all)")
 
 
+def render_adapter(r: Any) -> None:
+    """check-adapter's findings, one line each; or that it applies."""
+    from rich.markup import escape
+
+    out = _stdout()
+    if r.ok:
+        out.print(f"applies: {r.modules} modules of {escape(r.base)} adapted, every key matched, shapes fit")
+        return
+    if r.unmatched:
+        fix = f"; fix: {r.fix}" if r.fix else "; no rename makes them match: is this the adapter's base?"
+        out.print(
+            f"[bold]{len(r.unmatched)} key(s) name no base module[/] (PEFT would load them into nothing): "
+            + escape(", ".join(r.unmatched[:3]) + (" ..." if len(r.unmatched) > 3 else "") + fix)
+        )
+    if r.untargeted:
+        out.print(
+            f"[bold]{len(r.untargeted)} targeted module(s) got no adapter[/]: "
+            + escape(", ".join(r.untargeted[:3]) + (" ..." if len(r.untargeted) > 3 else ""))
+        )
+    for line in r.shapes[:10]:
+        out.print("[bold]shape[/]: " + escape(line))
+    if len(r.shapes) > 10:
+        out.print(f"... {len(r.shapes) - 10} more shape mismatches (--json lists all)")
+    if r.zero_b:
+        out.print(
+            f"[bold]{len(r.zero_b)} lora_B tensor(s) all zero[/]: "
+            + escape(", ".join(r.zero_b[:3]) + (" ..." if len(r.zero_b) > 3 else ""))
+        )
+
+
 def render_verify(r: Any) -> None:
     from rich.markup import escape  # a detail is text: "pip install 'ckptkit[s3]'" must keep its [s3]
 
