@@ -12,8 +12,9 @@ Nothing here imports torch, so the CLI can rename keys in a checkpoint it never 
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from .errors import ArgumentError, summarize
@@ -25,6 +26,8 @@ __all__ = [
     "PrefixInfo",
     "adapt_state_dict",
     "add_prefix",
+    "parse_rules",
+    "rename_keys",
     "canonical_key",
     "check_prefix",
     "detect_prefixes",
@@ -243,3 +246,64 @@ def rewrite_prefixes(
     for prefix in add:
         out = add_prefix(out, prefix)
     return out if isinstance(out, OrderedDict) and out is not state_dict else _rebuild(out, lambda k: k, lambda p: p)
+
+
+Rule = tuple["re.Pattern[str]", str]
+
+
+def parse_rules(rules: Iterable[str]) -> list[Rule]:
+    r"""``REGEX=REPL`` rename rules, compiled. Each splits at its last ``=`` (a regex may hold one, in
+    a lookbehind); ``REPL`` is :func:`re.sub`'s (``\1`` for a group).
+
+    Raises:
+        ArgumentError: a rule without ``=``, or whose regex does not compile.
+
+    Example:
+        >>> [(p.pattern, r) for p, r in parse_rules(["^tok_embeddings[.]=model.embed_tokens."])]
+        [('^tok_embeddings[.]', 'model.embed_tokens.')]
+    """
+    out: list[Rule] = []
+    for rule in rules:
+        pattern, eq, repl = rule.rpartition("=")
+        if not eq or not pattern:
+            raise ArgumentError(
+                f"rename rule '{rule}' is not REGEX=REPL, e.g. '^tok_embeddings\\.=model.embed_tokens.'"
+            )
+        try:
+            out.append((re.compile(pattern), repl))
+        except re.error as e:
+            raise ArgumentError(f"rename rule '{rule}': '{pattern}' is not a regular expression ({e})") from None
+    return out
+
+
+def rename_keys(state_dict: Mapping[str, Any], rules: Sequence[Rule]) -> tuple[OrderedDict[str, Any], list[str]]:
+    """Every key through each rule in order (:func:`re.sub`), values and order kept; and the rules
+    (as ``REGEX=REPL``) that matched no key.
+
+    Raises:
+        ArgumentError: two keys renamed to one name (naming both), or a replacement that refers to
+            a group its regex lacks.
+
+    Example:
+        >>> out, unused = rename_keys({"layers.0.wq": 1, "norm": 2}, parse_rules(["^layers[.]=model.layers."]))
+        >>> list(out), unused
+        (['model.layers.0.wq', 'norm'], [])
+    """
+    out: OrderedDict[str, Any] = OrderedDict()
+    used: set[int] = set()
+    came: dict[str, str] = {}
+    for key, value in state_dict.items():
+        name = key
+        for i, (pattern, repl) in enumerate(rules):
+            try:
+                name, n = pattern.subn(repl, name)
+            except (re.error, IndexError) as e:
+                raise ArgumentError(f"rename rule '{pattern.pattern}={repl}': {e}") from None
+            used.update([i] if n else [])
+        if name in came:
+            raise ArgumentError(
+                f"rename rules give {came[name]!r} and {key!r} the same name {name!r}; make the rules tell them apart"
+            )
+        came[name] = key
+        out[name] = value
+    return out, [f"{p.pattern}={r}" for i, (p, r) in enumerate(rules) if i not in used]

@@ -311,3 +311,52 @@ def test_a_peft_adapter_is_named_read_whole_and_diffed_with_strip(tmp_path: Path
 def test_a_peft_adapter_reads_like_peft() -> None:
     peft_utils = _framework("peft.utils")
     _same(ckptkit.load_for_rank(ADAPTER), peft_utils.load_peft_weights(str(ADAPTER)))
+
+
+TITAN_TO_HF = [  # the renames of torchtitan's Llama to Hugging Face's (as its convert_to_hf does)
+    r"^tok_embeddings\.=model.embed_tokens.",
+    r"^layers\.(\d+)\.attention\.wq\.=model.layers.\1.self_attn.q_proj.",
+    r"^layers\.(\d+)\.feed_forward\.w1\.=model.layers.\1.mlp.gate_proj.",
+    r"^output\.=lm_head.",
+]
+
+
+def test_rename_rules_give_torchtitans_weights_hugging_faces_names(tmp_path: Path) -> None:
+    rules = tmp_path / "titan_to_hf.txt"
+    rules.write_text("# torchtitan -> Hugging Face\n" + "\n".join(TITAN_TO_HF) + "\n\n")
+    out = tmp_path / "hf.safetensors"
+    code, _, err = run(
+        "convert", TITAN, out, "--model-only", "--rename-file", rules, "--rename", r"^norm\.=model.norm."
+    )
+    assert code == 0, err
+    want = _titan_weights()
+    got = load_file(out)
+    assert list(got) == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+    for (k, v), w in zip(got.items(), want.values(), strict=True):
+        assert torch.equal(v, w), k
+    code, _, err = run("convert", TITAN, tmp_path / "x.safetensors", "--model-only", "--rename", r"^nothing\.=x.")
+    assert code == 0 and r"note: rename rule '^nothing\.=x.' matched no weight's name" in err, err
+
+
+@pytest.mark.parametrize(
+    ("rule", "said"),
+    [
+        (
+            r"^.*\.weight$=w",
+            "rename rules give 'tok_embeddings.weight' and 'layers.0.attention.wq.weight' the same name 'w'",
+        ),
+        ("(=x", "rename rule '(=x': '(' is not a regular expression"),
+        (r"^(layers)=\2", r"rename rule '^(layers)=\2': invalid group reference 2"),
+        ("no-equals-sign", "rename rule 'no-equals-sign' is not REGEX=REPL"),
+    ],
+)
+def test_a_rename_rule_that_cannot_work_is_one_usage_line(tmp_path: Path, rule: str, said: str) -> None:
+    code, _, err = run("convert", TITAN, tmp_path / "x.safetensors", "--model-only", "--rename", rule)
+    assert code == 2 and err.startswith(f"ckptkit: error: {said}") and err.count("\n") == 1, err
+    assert not (tmp_path / "x.safetensors").exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import click
 
@@ -18,6 +18,13 @@ ALLOW_GLOBAL = click.option(
     metavar="MODULE.NAME",
     help="Admit this class when unpickling, e.g. argparse.Namespace (repeatable); safer than --trust.",
 )
+
+
+def _rules(f: Any) -> list[str]:
+    """A rules file's REGEX=REPL lines; blank lines and # comments skipped."""
+    if f is None:
+        return []
+    return [line.strip() for line in f.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 @main.command()
@@ -35,6 +42,17 @@ ALLOW_GLOBAL = click.option(
     "--strip", multiple=True, metavar="PREFIX", help="Also remove PREFIX (repeatable), e.g. Lightning's model."
 )
 @click.option("--add", multiple=True, metavar="PREFIX", help="Add PREFIX to every key (repeatable).")
+@click.option(
+    "--rename",
+    multiple=True,
+    metavar="REGEX=REPL",
+    help="Rename keys by regex after the prefixes (repeatable, in order; re.sub, \\1 for a group).",
+)
+@click.option(
+    "--rename-file",
+    type=click.File("r"),
+    help="Rename rules from a file: one REGEX=REPL per line, after any --rename; # starts a comment.",
+)
 @click.option(
     "--model-only", "model_only", is_flag=True, help="Write only the model state dict, dropping optimizer etc."
 )
@@ -88,6 +106,8 @@ def convert(
     to: Literal["single", "ddp", "keep"],
     strip: tuple[str, ...],
     add: tuple[str, ...],
+    rename: tuple[str, ...],
+    rename_file: Any,
     model_only: bool,
     key: str | None,
     trust: bool,
@@ -117,6 +137,7 @@ def convert(
             to=to,
             strip=strip,
             add=add,
+            rename=[*rename, *_rules(rename_file)],
             model_only=model_only,
             key=key,
             trust=trust,

@@ -30,6 +30,7 @@ from ..formats.spec import CheckpointFormat, View, WritePlan
 from ..formats.torchzip import modulepickle as mp
 from ..io.atomicdir import check_folder_destination
 from ..io.store import locate
+from ..prefix import parse_rules
 from .convert_job import Job, TorchView, fast_cast, staged_convert
 from .reports import ConvertReport
 from .verify import refuse_failing
@@ -87,6 +88,7 @@ def convert_checkpoint(
     to: Literal["single", "ddp", "keep"] = "single",
     strip: Iterable[str] = (),
     add: Iterable[str] = (),
+    rename: Iterable[str] = (),
     model_only: bool = False,
     key: str | None = None,
     trust: bool = False,
@@ -128,6 +130,9 @@ def convert_checkpoint(
             or ``"keep"``; see :func:`ckptkit.prefix.rewrite_prefixes`.
         strip: further prefixes to remove (e.g. Lightning's ``"model."``).
         add: prefixes to add.
+        rename: ``REGEX=REPL`` rules applied in order to every weight's name after the prefixes
+            (:func:`re.sub`; the last ``=`` splits them), e.g. ``"^tok_embeddings[.]=model.embed_tokens."``;
+            two names renamed to one is an error, and ``notes`` name a rule that matched nothing.
         model_only: write only the model state dict (not torch's ``weights_only``, which is
             about unpickling; ckptkit always loads safely unless ``trust``).
         key: where the weights are, e.g. ``"ema"``.
@@ -180,6 +185,7 @@ def _convert(
     to: Literal["single", "ddp", "keep"],
     strip: Iterable[str],
     add: Iterable[str],
+    rename: Iterable[str],
     model_only: bool,
     key: str | None,
     trust: bool,
@@ -197,6 +203,7 @@ def _convert(
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     if dtype is not None:
         target_dtype(dtype)  # a bad choice fails before any file is touched
+    rules = parse_rules(rename)  # so does a bad rule
     if sanitize and not trust:
         raise ArgumentError(
             f"{spell('sanitize=True', '--sanitize')} rebuilds {src}'s pickled objects (argparse.Namespace, numpy "
@@ -225,7 +232,7 @@ def _convert(
     in_fmt = registry.detect(source)
     check_zero_source(source, in_fmt.name, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
     refuse_failing(source, in_fmt)  # verify's own judgement, before anything is read or written
-    job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key)
+    job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules)
     job.plan = WritePlan(max_shard_size=limit, source=str(source))
     reason = _why_torch(in_fmt, out_fmt, trust)
     if not reason:

@@ -27,7 +27,7 @@ from ..io.atomic import atomic_write
 from ..io.store import Location
 from ..model.layout import TOP, find_model_state, prefix_of, replace_at
 from ..model.unwrap import without_averaged_count
-from ..prefix import rewrite_prefixes
+from ..prefix import Rule, rename_keys, rewrite_prefixes
 from .reports import ConvertReport, other_wrapped_weights, renamed_prefixes
 from .write import format_for, write_file
 
@@ -93,6 +93,7 @@ class Job:
     add: list[str]
     model_only: bool
     key: str | None
+    rename: list[Rule] = field(default_factory=list)  # --rename, after the prefixes
     plan: WritePlan = field(default_factory=WritePlan)
     casting: Cast | None = None  # --dtype: what it cast, once written
     cast: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None  # the weights, cast (--dtype)
@@ -110,6 +111,7 @@ class Job:
         count = averaged_count(state) if self.to != "keep" else None
         state = without_averaged_count(state) if count else state
         new_state: Mapping[str, Any] = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
+        new_state, unmatched_rules = rename_keys(new_state, self.rename) if self.rename else (new_state, [])
         if self.cast is not None:  # after renaming: the report names tensors as they are written
             new_state = self.cast(new_state)
         if path == (TOP,):  # torchtitan: the weights among the top level's entries
@@ -143,6 +145,7 @@ class Job:
         names = [chosen + k for k in state]
         before, after = renamed_prefixes(names, list(new_state))
         notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
+        notes += [f"rename rule '{r}' matched no weight's name" for r in unmatched_rules]
         if count:
             keep = spell("to='keep'", "--to keep")
             notes.append(
