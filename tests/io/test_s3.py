@@ -527,3 +527,29 @@ def test_losing_the_endpoint_mid_upload_is_one_line_naming_the_url(
     assert code == 1 and "Traceback" not in err and len(lines(err)) == 1, err
     assert lines(err)[0].startswith(f"ckptkit: error: cannot write {url}: Could not connect to the endpoint URL")
     assert "untouched" in err
+
+
+# Was: botocore's legacy retry mode: a refused connection was retried 4 times with growing waits,
+# and an unreachable endpoint took about 12 s to name.
+@pytest.mark.parametrize(
+    ("env", "profile", "mode"),
+    [
+        ({}, "", "standard"),  # the AWS CLI v2's mode: 3 attempts
+        ({"AWS_RETRY_MODE": "legacy"}, "", None),  # what the user set wins: nothing passed
+        ({"AWS_MAX_ATTEMPTS": "7"}, "", None),
+        ({}, "retry_mode = adaptive\n", None),
+    ],
+)
+def test_the_retry_mode_is_the_aws_clis_unless_the_user_set_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], profile: str, mode: str | None
+) -> None:
+    (tmp_path / "config").write_text("[default]\n" + profile)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    for k in ("AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs, _ = remote.filesystem(f"s3://{BUCKET}/k")
+    assert fs.config_kwargs.get("retries", {}).get("mode") == mode
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -73,11 +73,34 @@ def filesystem(url: str) -> tuple[Any, str]:
             f"{url}: URLs need fsspec (and s3fs for s3://), which is not installed; {_INSTALL}"
         ) from None
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **_s3_options(url))
     except ImportError as e:  # fsspec knows the protocol, its package (s3fs) is missing
         raise ArgumentError(f"{url}: {e}; for s3:// {_INSTALL}") from None
     except ValueError as e:
         raise ArgumentError(f"{url}: not a URL fsspec can open ({e}); give a local path or an s3:// URL") from None
+
+
+_RETRY_SETTINGS = ("retry_mode", "max_attempts")
+
+
+def _s3_options(url: str) -> dict[str, Any]:
+    """s3fs's options for ``url``: botocore's standard retry mode, as the AWS CLI v2 uses, where the
+    user configured no retries (``AWS_RETRY_MODE``, ``AWS_MAX_ATTEMPTS``, or the profile's
+    ``retry_mode`` / ``max_attempts``). botocore's own default, legacy mode, retries a refused
+    connection four times with growing waits: an unreachable endpoint took seconds to name."""
+    if not url.startswith(("s3://", "s3a://")):
+        return {}
+    if any(os.environ.get(f"AWS_{k.upper()}") for k in _RETRY_SETTINGS):
+        return {}
+    try:
+        import botocore.session
+
+        profile = botocore.session.Session().get_scoped_config()
+    except Exception:  # noqa: BLE001 - a profile botocore cannot read: s3fs will say so on first use
+        return {}
+    if any(k in profile for k in _RETRY_SETTINGS):
+        return {}
+    return {"config_kwargs": {"retries": {"mode": "standard"}}}
 
 
 def _info(fs: Any, key: str, url: str) -> dict[str, Any] | None:
