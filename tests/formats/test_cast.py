@@ -282,12 +282,10 @@ def test_only_the_weights_are_cast_and_the_report_says_what(tmp_path: Path) -> N
 
 
 def quantized_state() -> dict[str, torch.Tensor]:
-    """A DeepSeek-V3-style fp8 layer (block scales beside it) and a bitsandbytes 4-bit one (uint8
-    weights; absmax, NF4 codebook, nested state and its packed quant_state beside them)."""
+    """A bitsandbytes 4-bit layer (uint8 weights; absmax, NF4 codebook, nested state and its packed
+    quant_state beside them), a GPTQ one (packed int32 qweight, fp16 scales) and a plain norm."""
     g = torch.Generator().manual_seed(0)
     return {
-        "layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
-        "layers.0.mlp.down_proj.weight_scale_inv": torch.rand(1, 1, generator=g) + 0.1,
         "layers.1.mlp.up_proj.weight": torch.randint(0, 255, (16, 1), generator=g, dtype=torch.uint8),
         "layers.1.mlp.up_proj.weight.absmax": torch.randint(0, 255, (1,), generator=g, dtype=torch.uint8),
         "layers.1.mlp.up_proj.weight.quant_map": torch.randn(16, generator=g),
@@ -305,9 +303,7 @@ def quantized_state() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("how", ["pt", "safetensors", "legacy"])
 def test_a_quantized_weights_scales_and_codebook_are_left_as_they_are(tmp_path: Path, how: str) -> None:
     state = quantized_state()
-    cast = ["layers.0.mlp.down_proj.weight", "norm.weight"]
-    if how == "legacy":  # torch cannot load a legacy-format float8 tensor it saved (UntypedStorage has no dtype)
-        state["layers.0.mlp.down_proj.weight"] = state["layers.0.mlp.down_proj.weight"].float()
+    cast = ["norm.weight"]
     src = tmp_path / ("src.safetensors" if how == "safetensors" else "src.pt")
     if how == "safetensors":
         ckptkit.write_checkpoint(state, src)
@@ -323,9 +319,37 @@ def test_a_quantized_weights_scales_and_codebook_are_left_as_they_are(tmp_path: 
         else:
             assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
     assert (
-        "left 5 quantization-state tensors as they are (layers.0.mlp.down_proj.weight_scale_inv, ...): "
+        "left 4 quantization-state tensors as they are (layers.1.mlp.up_proj.weight.quant_map, ...): "
         "quantized weights decode with them"
     ) in report.notes
+
+
+# Was (for one commit): the fp8 weights were widened and their block scales left beside them, so the
+# output held neither fp8-quantized weights nor the model's values.
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_fp8_weights_with_their_scales_are_refused_naming_both(tmp_path: Path, suffix: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    state = {  # DeepSeek-V3's layout: each fp8 weight with its block scales' inverse beside it
+        "layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
+        "layers.0.mlp.down_proj.weight_scale_inv": torch.rand(1, 1, generator=g) + 0.1,
+        "norm.weight": torch.randn(8, generator=g),
+    }
+    src = tmp_path / f"src{suffix}"
+    torch.save(state, src) if suffix == ".pt" else ckptkit.write_checkpoint(state, src)
+    with pytest.raises(
+        ckptkit.errors.ArgumentError,
+        match=r"^layers\.0\.mlp\.down_proj\.weight is float8_e4m3fn with layers\.0\.mlp\.down_proj\.weight_scale_inv "
+        r"beside it: fp8-quantized weights",
+    ):
+        ckptkit.convert_checkpoint(src, tmp_path / "out.safetensors", dtype="bf16")
+    assert not (tmp_path / "out.safetensors").exists()
+    ckptkit.convert_checkpoint(src, tmp_path / "kept.safetensors")  # without --dtype: as they are
+    got = ckptkit.read_checkpoint(tmp_path / "kept.safetensors")
+    assert all(
+        got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+        for k, v in state.items()
+        if v.dtype == torch.float8_e4m3fn
+    )
 
 
 def test_the_cli_shows_the_cast_and_json_includes_it(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Literal
 
@@ -245,6 +246,26 @@ class Cast:
         self.names: OrderedDict[str, str] = OrderedDict()  # tensor name -> its dtype before
         self.kept: OrderedDict[str, str] = OrderedDict()  # quantization state left as it is -> its dtype
         self._sizes: dict[tuple[str, Any], tuple[int, int]] = {}  # (dtype before, ident) -> bytes before, after
+
+    def refuse_scaled(self, dtypes: Mapping[str, str]) -> None:
+        """Refuse a cast of float8 weights with a scale beside them (``weight_scale_inv``, ...):
+        fp8-quantized weights mean their values times their scales, which a ``.to()`` does not
+        apply. ``dtypes``: each tensor's name and dtype.
+
+        Raises:
+            ArgumentError: naming the first such weight and its scale.
+        """
+        scales: dict[str, str] = {}  # module -> its first quantization-state tensor
+        for k in dtypes:
+            if is_quant_state(k):
+                scales.setdefault(k.rpartition(".")[0], k)
+        for name, dtype in dtypes.items():
+            if dtype.startswith("float8") and (scale := scales.get(name.rpartition(".")[0])) is not None:
+                raise ArgumentError(
+                    f"{name} is {dtype} with {scale} beside it: fp8-quantized weights, whose values mean something "
+                    f"only times their scales, which a cast (as .to()) does not apply; leave "
+                    f"{spell('dtype', '--dtype')} out, or dequantize them with the model's own tooling first"
+                )
 
     def wants(self, dtype: str, name: str) -> bool:
         """Whether tensor ``name`` of ``dtype`` is cast: a floating one of another dtype that is not

@@ -218,9 +218,11 @@ def fast_cast(view: View, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str,
     torch zip is then written tensor by tensor, not storage by storage."""
 
     def run(state: Mapping[str, Any]) -> dict[str, Any]:
+        entries = {name: view.entry(v, name) if view.is_leaf(v) else v for name, v in state.items()}
+        cast.refuse_scaled({k: e.dtype for k, e in entries.items() if isinstance(e, Entry)})
         out: dict[str, Any] = {}
         for name, v in state.items():
-            e = view.entry(v, name) if view.is_leaf(v) else v
+            e = entries[name]
             out[name] = cast.wrap(e, name) if isinstance(e, Entry) and cast.wants(e.dtype, name) else v
         return out
 

@@ -27,6 +27,9 @@ def cast_tensors(state: Mapping[str, Any], cast: Cast) -> dict[str, Any]:
     """``state`` with each floating tensor ``cast`` wants as ``tensor.to(cast.dtype)``; the rest
     (integer, bool, complex tensors, quantization state, other values) as they are. One tensor under several
     names (tied) is cast once and stays one tensor."""
+    cast.refuse_scaled(
+        {k: str(v.dtype).removeprefix("torch.") for k, v in state.items() if isinstance(v, torch.Tensor)}
+    )
     target = getattr(torch, cast.dtype)
     done: dict[int, torch.Tensor] = {}
     out: dict[str, Any] = {}
