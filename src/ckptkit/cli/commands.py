@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, NoReturn
 
 import click
 
@@ -18,6 +19,17 @@ ALLOW_GLOBAL = click.option(
     metavar="MODULE.NAME",
     help="Admit this class when unpickling, e.g. argparse.Namespace (repeatable); safer than --trust.",
 )
+
+
+def _finish(report: Any, *, as_json: bool, render: Callable[[Any], None], ok: bool) -> NoReturn:
+    """The report's notes to stderr, the report to stdout (JSON, or rendered), and the exit code."""
+    for note in [] if as_json else report.notes:
+        click.echo(f"note: {note}", err=True)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        render(report)
+    sys.exit(0 if ok else 1)
 
 
 def _rules(f: Any) -> list[str]:
@@ -260,13 +272,7 @@ def diff(
             allow_globals=allow_global,
             progress=progress,
         )
-    for note in [] if as_json else report.notes:
-        click.echo(f"note: {note}", err=True)
-    if as_json:
-        emit_json(report.to_dict())
-    else:
-        render_diff(report)
-    sys.exit(0 if report.equal else 1)
+    _finish(report, as_json=as_json, render=render_diff, ok=report.equal)
 
 
 @main.command("check-adapter")
@@ -284,13 +290,7 @@ def check_adapter(adapter: str, base: str, trust: bool, allow_global: tuple[str,
     it applies, 1 on any finding, 2 on trouble.
     """
     report = ckptkit.check_adapter(adapter, base, trust=trust, allow_globals=allow_global)
-    for note in [] if as_json else report.notes:
-        click.echo(f"note: {note}", err=True)
-    if as_json:
-        emit_json(report.to_dict())
-    else:
-        render_adapter(report)
-    sys.exit(0 if report.ok else 1)
+    _finish(report, as_json=as_json, render=render_adapter, ok=report.ok)
 
 
 @main.command()
@@ -301,10 +301,4 @@ def verify(file: str, as_json: bool) -> None:
     """Check FILE's integrity (CRCs, bounds, shards) and that it loads without --trust. Exit 1 if not."""
     with progress_bar(file, threshold=BIG, enabled=not as_json) as progress:
         report = ckptkit.verify_checkpoint(file, progress=progress)
-    for note in [] if as_json else report.notes:
-        click.echo(f"note: {note}", err=True)
-    if as_json:
-        emit_json(report.to_dict())
-    else:
-        render_verify(report)
-    sys.exit(0 if report.ok else 1)
+    _finish(report, as_json=as_json, render=render_verify, ok=report.ok)
