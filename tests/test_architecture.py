@@ -190,6 +190,7 @@ DEFERRED = {
     "rich": "the CLI and the trainer start, print --help and fail fast without it",
     "numpy": "optional: ckptkit runs without it",
     "fsspec": "the optional extra ckptkit[s3]: imported only when a URL is given",
+    "botocore": "s3fs's, from the same extra: read only when an s3:// URL is given",
 }
 
 
