@@ -259,8 +259,9 @@ def parse_rules(rules: Iterable[str]) -> list[Rule]:
         ArgumentError: a rule without ``=``, or whose regex does not compile.
 
     Example:
-        >>> [(p.pattern, r) for p, r in parse_rules(["^tok_embeddings[.]=model.embed_tokens."])]
-        [('^tok_embeddings[.]', 'model.embed_tokens.')]
+        >>> pattern, repl = parse_rules(["^tok_embeddings=model.embed_tokens"])[0]
+        >>> pattern.sub(repl, "tok_embeddings.weight")
+        'model.embed_tokens.weight'
     """
     out: list[Rule] = []
     for rule in rules:
@@ -285,7 +286,7 @@ def rename_keys(state_dict: Mapping[str, Any], rules: Sequence[Rule]) -> tuple[O
             a group its regex lacks.
 
     Example:
-        >>> out, unused = rename_keys({"layers.0.wq": 1, "norm": 2}, parse_rules(["^layers[.]=model.layers."]))
+        >>> out, unused = rename_keys({"layers.0.wq": 1, "norm": 2}, parse_rules(["^layers=model.layers"]))
         >>> list(out), unused
         (['model.layers.0.wq', 'norm'], [])
     """
