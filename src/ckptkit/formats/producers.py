@@ -197,7 +197,7 @@ _TORCHTITAN = frozenset({"optimizer", "lr_scheduler", "train_state"})
 
 # A LoRA weight as PEFT names it: <module>.lora_A.weight in a saved adapter, <module>.lora_A.<adapter>.weight
 # in a PeftModel's own state dict (beside <module>.base_layer.weight).
-_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[^.]+))?\.weight$")
 
 
 def _peft(obj: Mapping[Any, Any], is_tensor: IsTensor) -> Producer | None:
@@ -205,7 +205,7 @@ def _peft(obj: Mapping[Any, Any], is_tensor: IsTensor) -> Producer | None:
     ranks: set[int] = set()
     modules: set[str] = set()
     for k, v in obj.items():
-        if isinstance(k, str) and is_tensor(v) and (m := _LORA.match(k)):
+        if isinstance(k, str) and is_tensor(v) and (m := LORA.match(k)):
             modules.add(m["module"])
             shape: tuple[int, ...] = tuple(getattr(v, "shape", ()))
             if m["ab"] == "A" and len(shape) == 2:

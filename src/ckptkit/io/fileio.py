@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError
 from .helper import in_background
 from .kcopy import NoKernelCopy, copy_file_range, start_writeback
 
@@ -109,6 +110,24 @@ def require_regular(path: str | os.PathLike[str], *, folder: str | os.PathLike[s
     except OSError as e:
         raise _refusal(path, e, folder) from e
     _refuse_unless_regular(path, st, folder)
+
+
+def small_json(path: str | os.PathLike[str], *, limit: int) -> Any:
+    """The JSON value in a small file beside a checkpoint (a config, an index of modules), or None
+    where there is none, it is not a regular file, holds over ``limit`` bytes or is not JSON: such
+    a file is described or ignored, never trusted.
+
+    Example:
+        >>> small_json("/no/such/config.json", limit=1000) is None
+        True
+    """
+    try:
+        with open_regular(path, folder=os.path.dirname(path) or ".") as f:
+            if os.fstat(f.fileno()).st_size > limit:
+                return None
+            return json.loads(f.read().decode("utf-8"))
+    except PARSE_ERRORS:  # ckptkit's refusals too: each is a ValueError or an OSError
+        return None
 
 
 def _nonblocking(path: str, flags: int) -> int:

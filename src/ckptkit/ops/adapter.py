@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -29,9 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PARSE_ERRORS, ArgumentError
+from ..errors import ArgumentError
 from ..formats.pickles.safety import AllowGlobals
-from ..io.fileio import open_regular
+from ..formats.producers import LORA
+from ..io.fileio import small_json
 from ..model.layout import find_model_state
 from ..prefix import rewrite_prefixes
 from .inspect import inspect_checkpoint
@@ -39,7 +39,6 @@ from .read import read_checkpoint
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's own names
 CONFIG = "adapter_config.json"
-_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.weight$")
 _MAX_CONFIG = 1_000_000
 
 
@@ -87,7 +86,7 @@ def check_adapter(
     report = AdapterReport(str(ap), str(bp))
     obj = read_checkpoint(ap, trust=trust, allow_globals=allow_globals, map_location="cpu")
     _, weights = find_model_state(obj, source=str(ap))
-    lora = {k: v for k, v in weights.items() if _LORA.match(k)}
+    lora = {k: v for k, v in weights.items() if _lora(k)}
     if not lora:
         raise ArgumentError(
             f"{ap}: holds no LoRA tensors (<module>.lora_A.weight, <module>.lora_B.weight): not a PEFT LoRA adapter"
@@ -102,7 +101,7 @@ def check_adapter(
     fan_in_fan_out = config.get("fan_in_fan_out") is True
     ranks: dict[str, int] = {}
     for k, v in lora.items():
-        m = _LORA.match(k)
+        m = _lora(k)
         assert m is not None
         want = base_shapes.get(_base_key(k, base_shapes) or "")
         got = list(v.shape)
@@ -127,16 +126,22 @@ def check_adapter(
             "every lora_B is zero, as PEFT initialises them: this adapter changes nothing (saved before training, "
             "or its trained values were lost)"
         )
-    matched = {_LORA.match(k)["module"] for k in lora if k not in report.unmatched}  # type: ignore[index]
+    matched = {_lora(k)["module"] for k in lora if k not in report.unmatched}  # type: ignore[index]
     report.modules = len(matched)
     report.untargeted, why = _untargeted(config, base_shapes, matched)
     report.notes += why
     return report
 
 
+def _lora(key: str) -> re.Match[str] | None:
+    """The match of a saved adapter's LoRA key (no adapter name in it, as save_pretrained writes it)."""
+    m = LORA.match(key)
+    return m if m is not None and m["adapter"] is None else None
+
+
 def _base_key(key: str, base: Mapping[str, Any]) -> str | None:
     """The base weight an adapter key adapts, as PEFT finds its module; None where it names none."""
-    m = _LORA.match(key)
+    m = _lora(key)
     if m is None or not key.startswith(PEFT_PREFIX):
         return None
     weight = f"{m['module'][len(PEFT_PREFIX) :]}.weight"
@@ -158,14 +163,7 @@ def _fix(adapter: Path, keys: list[str], base: Mapping[str, Any]) -> str:
 
 
 def _config(adapter: Path) -> dict[str, Any]:
-    path = (adapter if adapter.is_dir() else adapter.parent) / CONFIG
-    try:
-        with open_regular(path, folder=path.parent) as f:
-            if os.fstat(f.fileno()).st_size > _MAX_CONFIG:
-                return {}
-            found = json.loads(f.read().decode("utf-8"))
-    except PARSE_ERRORS:
-        return {}
+    found = small_json((adapter if adapter.is_dir() else adapter.parent) / CONFIG, limit=_MAX_CONFIG)
     return found if isinstance(found, dict) else {}
 
 

@@ -13,13 +13,10 @@ Example:
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from pathlib import Path
 
-from ...errors import PARSE_ERRORS
-from ...io.fileio import open_regular
+from ...io.fileio import small_json
 from ..producers import Producer
 from .detect import HF_INDEXES, HF_SINGLE
 from .index import HF_FILE
@@ -78,15 +75,9 @@ def _holds(name: str, table: dict[str, str]) -> str:
 
 
 def _json(folder: Path, name: str) -> dict[str, object]:
-    """The JSON object in ``folder/name``; empty where there is none, or it is too big, not a
-    regular file or not an object: such a file is listed, not trusted."""
-    try:
-        with open_regular(folder / name, folder=folder) as f:
-            if os.fstat(f.fileno()).st_size > _MAX_JSON:
-                return {}
-            found = json.loads(f.read().decode("utf-8"))
-    except PARSE_ERRORS:  # ckptkit's refusals too: each is a ValueError or an OSError
-        return {}
+    """The JSON object in ``folder/name``; empty where :func:`~...io.fileio.small_json` gives none
+    or it is not an object: such a file is listed, not trusted."""
+    found = small_json(folder / name, limit=_MAX_JSON)
     return found if isinstance(found, dict) else {}
 
 

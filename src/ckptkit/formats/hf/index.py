@@ -31,7 +31,7 @@ from ...errors import (
     spell,
     summarize,
 )
-from ...io.fileio import open_regular, require_regular
+from ...io.fileio import open_regular, require_regular, small_json
 from ..safetensors.codec import read_header
 from .detect import HF_INDEXES, HF_SINGLE
 
@@ -92,13 +92,7 @@ def weighted_modules(folder: Path) -> list[str]:
         >>> weighted_modules(Path("fixtures/frameworks/sentence_transformers/model"))
         ['', '2_Dense']
     """
-    try:
-        with open_regular(folder / MODULES, folder=folder) as f:
-            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
-                return []
-            modules = json.loads(f.read().decode("utf-8"))
-    except PARSE_ERRORS:  # none, or not one we can read: the folder is read as it is
-        return []
+    modules = small_json(folder / MODULES, limit=MAX_INDEX_BYTES)  # none, or unreadable: read as it is
     found = []
     for module in modules if isinstance(modules, list) else []:
         sub = module.get("path") if isinstance(module, dict) else None
