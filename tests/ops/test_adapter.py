@@ -100,3 +100,14 @@ def test_a_targeted_module_without_an_adapter_is_named(tmp_path: Path) -> None:
 def test_a_file_without_lora_tensors_is_refused_in_one_line() -> None:
     code, out, err = run("check-adapter", BASE, BASE)
     assert code == 2 and err.count("\n") == 1 and "not a PEFT LoRA adapter" in err, err
+
+
+def test_ranks_set_per_module_by_rank_pattern_are_not_flagged(tmp_path: Path) -> None:
+    # PEFT gives v_proj rank 2 from rank_pattern; the check read only r=4 and called it a misfit.
+    from tests.formats.test_producers import _framework
+
+    transformers, peft = _framework("transformers"), _framework("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 2})
+    peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(BASE), config).save_pretrained(tmp_path / "lora")
+    report = ckptkit.check_adapter(tmp_path / "lora", BASE)
+    assert not report.shapes and report.modules == 4, report

@@ -82,11 +82,42 @@ def check_adapter(
     Raises:
         ArgumentError: the adapter holds no LoRA tensors.
     """
+    return read_adapter(adapter, base, trust=trust, allow_globals=allow_globals).report
+
+
+@dataclass
+class Adapter:
+    """An adapter as :func:`read_adapter` found it: the check's report, its tensors (as saved) and
+    its ``adapter_config.json`` ({} where there is none)."""
+
+    report: AdapterReport
+    tensors: dict[str, Any]
+    config: dict[str, Any]
+    base_shapes: dict[str, list[int]]  # the base's weights by the names a single-device model has
+
+    def base_key(self, key: str) -> str | None:
+        """The base weight adapter tensor ``key`` adapts; None where it adapts none."""
+        return _base_key(key, self.base_shapes)
+
+
+def read_adapter(
+    adapter: str | os.PathLike[str],
+    base: str | os.PathLike[str],
+    *,
+    trust: bool = False,
+    allow_globals: AllowGlobals = (),
+) -> Adapter:
+    """:func:`check_adapter`, keeping what it read for a merge (``convert --merge-adapter``).
+
+    Example:
+        >>> read_adapter("lora/", "base/").report.ok  # doctest: +SKIP
+        True
+    """
     ap, bp = Path(adapter), Path(base)
     report = AdapterReport(str(ap), str(bp))
     obj = read_checkpoint(ap, trust=trust, allow_globals=allow_globals, map_location="cpu")
     _, weights = find_model_state(obj, source=str(ap))
-    lora = {k: v for k, v in weights.items() if _lora(k)}
+    lora = {k: v for k, v in weights.items() if lora_key(k)}
     if not lora:
         raise ArgumentError(
             f"{ap}: holds no LoRA tensors (<module>.lora_A.weight, <module>.lora_B.weight): not a PEFT LoRA adapter"
@@ -101,7 +132,7 @@ def check_adapter(
     fan_in_fan_out = config.get("fan_in_fan_out") is True
     ranks: dict[str, int] = {}
     for k, v in lora.items():
-        m = _lora(k)
+        m = lora_key(k)
         assert m is not None
         want = base_shapes.get(_base_key(k, base_shapes) or "")
         got = list(v.shape)
@@ -116,32 +147,49 @@ def check_adapter(
             report.shapes.append(f"{k}: {got}, but its base module has {side} (base weight {want})")
         if m["ab"] == "B" and got[1] != ranks.get(m["module"], got[1]):
             report.shapes.append(f"{k}: rank {got[1]}, but its lora_A has rank {ranks[m['module']]}")
-    if isinstance(r := config.get("r"), int):
-        report.shapes += [
-            f"{mod}.lora_A.weight: rank {n}, but {CONFIG} says r={r}" for mod, n in ranks.items() if n != r
-        ]
+    for mod, n in ranks.items():
+        r = per_module(config, "rank_pattern", "r", mod.removeprefix(PEFT_PREFIX))
+        if isinstance(r, int) and n != r:
+            report.shapes.append(f"{mod}.lora_A.weight: rank {n}, but {CONFIG} says r={r}")
     report.zero_b = [k for k, v in lora.items() if k.endswith(".lora_B.weight") and not bool(v.any())]
     if report.zero_b and len(report.zero_b) == sum(1 for k in lora if k.endswith(".lora_B.weight")):
         report.notes.append(
             "every lora_B is zero, as PEFT initialises them: this adapter changes nothing (saved before training, "
             "or its trained values were lost)"
         )
-    matched = {_lora(k)["module"] for k in lora if k not in report.unmatched}  # type: ignore[index]
+    matched = {lora_key(k)["module"] for k in lora if k not in report.unmatched}  # type: ignore[index]
     report.modules = len(matched)
     report.untargeted, why = _untargeted(config, base_shapes, matched)
     report.notes += why
-    return report
+    return Adapter(report, dict(weights), config, base_shapes)
 
 
-def _lora(key: str) -> re.Match[str] | None:
+def lora_key(key: str) -> re.Match[str] | None:
     """The match of a saved adapter's LoRA key (no adapter name in it, as save_pretrained writes it)."""
     m = LORA.match(key)
     return m if m is not None and m["adapter"] is None else None
 
 
+def per_module(config: Mapping[str, Any], pattern: str, name: str, module: str) -> Any:
+    """``config[name]`` for base module ``module`` as PEFT reads it: the value of the first key of
+    ``config[pattern]`` (``rank_pattern``, ``alpha_pattern``) that matches the module's name or its
+    last parts (PEFT's ``get_pattern_key``), else ``config[name]``.
+
+    Example:
+        >>> per_module({"r": 8, "rank_pattern": {"v_proj": 2}}, "rank_pattern", "r", "layers.0.attn.v_proj")
+        2
+    """
+    table = config.get(pattern)
+    if isinstance(table, Mapping):
+        for key, value in table.items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+    return config.get(name)
+
+
 def _base_key(key: str, base: Mapping[str, Any]) -> str | None:
     """The base weight an adapter key adapts, as PEFT finds its module; None where it names none."""
-    m = _lora(key)
+    m = lora_key(key)
     if m is None or not key.startswith(PEFT_PREFIX):
         return None
     weight = f"{m['module'][len(PEFT_PREFIX) :]}.weight"
