@@ -105,6 +105,12 @@ def _rules(f: Any) -> list[str]:
     "quantization scales and codebooks, optimizer state kept).",
 )
 @click.option(
+    "--merge-adapter",
+    metavar="ADAPTER",
+    help="Merge this PEFT LoRA adapter (folder with adapter_config.json) into the weights, as PEFT's "
+    "merge_and_unload() (one weight in memory at a time); refused if check-adapter flags it.",
+)
+@click.option(
     "--sanitize",
     is_flag=True,
     help="With --trust: write what torch.load(weights_only=True) reads (Namespace, "
@@ -129,6 +135,7 @@ def convert(
     out_format: Literal["dcp"] | None,
     zero_weights: Literal["fp32", "module"],
     dtype: Literal["bf16", "fp16", "fp32"] | None,
+    merge_adapter: str | None,
     sanitize: bool,
     as_json: bool,
 ) -> None:
@@ -161,6 +168,7 @@ def convert(
             zero_weights=zero_weights,
             dtype=dtype,
             sanitize=sanitize,
+            merge_adapter=merge_adapter,
         )
     if as_json:
         emit_json(report.to_dict())

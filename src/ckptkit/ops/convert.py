@@ -100,6 +100,7 @@ def convert_checkpoint(
     zero_weights: Literal["fp32", "module"] = "fp32",
     dtype: Literal["bf16", "fp16", "fp32"] | None = None,
     sanitize: bool = False,
+    merge_adapter: str | os.PathLike[str] | None = None,
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -160,6 +161,12 @@ def convert_checkpoint(
             scalars Python values, numpy RNG state plain lists and ints; anything else a weights-only
             load refuses is an error naming its key path. Tensors are written byte for byte;
             ``notes`` and ``sanitized`` list every change.
+        merge_adapter: a PEFT LoRA adapter (its folder, or ``adapter_model.safetensors`` / ``.bin``
+            with ``adapter_config.json`` beside it) to merge into the weights as PEFT's
+            ``merge_and_unload()`` does (``W + scaling · B @ A``, PEFT's values on the CPU), one
+            weight in memory at a time. It is checked against ``src`` first, as
+            :func:`~ckptkit.check_adapter` checks it: an adapter that would not apply is refused
+            (StateDictMismatchError) and nothing is written. ``merged`` lists the weights it changed.
 
     Returns:
         A :class:`ConvertReport`.
@@ -173,6 +180,7 @@ def convert_checkpoint(
         >>> convert_checkpoint("ddp.pt", "single.pt")  # doctest: +SKIP
         >>> convert_checkpoint("old.pt", "clean.pt", trust=True, sanitize=True, dtype="bf16")  # doctest: +SKIP
         >>> convert_checkpoint("s3://bucket/ddp.pt", "single.pt")  # doctest: +SKIP
+        >>> convert_checkpoint("base/", "merged/", merge_adapter="lora/")  # doctest: +SKIP
     """
     options = {k: v for k, v in locals().items() if k not in ("src", "dst")}  # every option as given
     return staged_convert(locate(src).pointed(), locate(dst), _convert, **options)
@@ -197,6 +205,7 @@ def _convert(
     zero_weights: Literal["fp32", "module"],
     dtype: Literal["bf16", "fp16", "fp32"] | None,
     sanitize: bool,
+    merge_adapter: str | os.PathLike[str] | None,
 ) -> ConvertReport:
     """:func:`convert_checkpoint` between local paths."""
     if to not in ("single", "ddp", "keep"):
@@ -233,6 +242,10 @@ def _convert(
     check_zero_source(source, in_fmt.name, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
     refuse_failing(source, in_fmt)  # verify's own judgement, before anything is read or written
     job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules)
+    if merge_adapter is not None:  # checked against the source before anything is written
+        from .merge import Merge  # deferred: a merge needs torch, a plain convert does not
+
+        job.merging = Merge.read(merge_adapter, source, trust=trust, allow_globals=allow_globals)
     job.plan = WritePlan(max_shard_size=limit, source=str(source))
     reason = _why_torch(in_fmt, out_fmt, trust)
     if not reason:
@@ -270,6 +283,11 @@ def _convert(
     # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
     check_recorded_crcs(source, in_fmt.name, progress=_progress(progress, view.nbytes))
     job.sanitize = sanitize
+    if (merging := job.merging) is not None:
+        from .merge import merge_tensors  # deferred with torch, as above
+
+        merging.merged.clear()  # a fast try's merges were not written
+        job.merge = lambda state: merge_tensors(state, merging)
     if dtype is not None:
         from .torchcast import cast_tensors  # deferred with torch, as above
 
@@ -315,6 +333,11 @@ def _copy(
     job.plan.progress = _progress(progress, view.nbytes)
     job.casting = Cast(dtype) if dtype else None  # anew for each try: a fallback's casts are the torch path's
     job.cast = fast_cast(view, job.casting) if job.casting else None
-    job.plan.copy_storages = job.casting is None
+    if job.merging is not None:
+        from .merge import fast_merge  # deferred: only a merge imports torch
+
+        job.merging.merged.clear()
+        job.merge = fast_merge(view, job.merging)
+    job.plan.copy_storages = job.casting is None and job.merging is None  # storages as they are: nothing changed
     job.sanitize = sanitize
     return job.run(view)

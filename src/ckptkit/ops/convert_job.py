@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import ArgumentError, spell, summarize
 from ..formats.cast import Cast
@@ -30,6 +30,9 @@ from ..model.unwrap import without_averaged_count
 from ..prefix import Rule, rename_keys, rewrite_prefixes
 from .reports import ConvertReport, other_wrapped_weights, renamed_prefixes
 from .write import format_for, write_file
+
+if TYPE_CHECKING:  # merging imports torch, only where an adapter is merged
+    from .merge import Merge
 
 
 class TorchView:
@@ -97,6 +100,8 @@ class Job:
     plan: WritePlan = field(default_factory=WritePlan)
     casting: Cast | None = None  # --dtype: what it cast, once written
     cast: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None  # the weights, cast (--dtype)
+    merging: Merge | None = None  # --merge-adapter: what it merged, once written
+    merge: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None  # the weights, the adapter merged in
     sanitize: bool = False
     finish: Callable[[Any], Any] | None = None  # what is written, made plain (--sanitize)
     sanitized: list[str] = field(default_factory=list)  # what finish changed
@@ -110,7 +115,9 @@ class Job:
         # An AveragedModel's count goes with its wrapper: a plain model has no such buffer.
         count = averaged_count(state) if self.to != "keep" else None
         state = without_averaged_count(state) if count else state
-        new_state: Mapping[str, Any] = rewrite_prefixes(state, to=self.to, strip=self.strip, add=self.add)
+        # Merged under the source's names (as single-device ones, which the adapter's keys name), before any rename.
+        merged = self.merge(state) if self.merge is not None else state
+        new_state: Mapping[str, Any] = rewrite_prefixes(merged, to=self.to, strip=self.strip, add=self.add)
         new_state, unmatched_rules = rename_keys(new_state, self.rename) if self.rename else (new_state, [])
         if self.cast is not None:  # after renaming: the report names tensors as they are written
             new_state = self.cast(new_state)
@@ -152,7 +159,8 @@ class Job:
                 f"{count} ({AVERAGED_COUNTS[count]}) not written: a plain model has no such buffer; {keep} keeps it"
             )
         torch_read = isinstance(view, TorchView)
-        notes += view.notes + (self.casting.notes() if self.casting else [])
+        notes += view.notes + (self.merging.notes() if self.merging else [])
+        notes += self.casting.notes() if self.casting else []
         if unread := view.unread():
             every = spell(f"verify_checkpoint({str(self.source)!r})", f"ckptkit verify {self.source}")
             notes.append(
@@ -192,6 +200,7 @@ class Job:
             fallback_reason=view.reason if isinstance(view, TorchView) else "",
             pickled_module=view.pickled_module,
             cast=list(self.casting.names) if self.casting else [],
+            merged=list(self.merging.merged) if self.merging else [],
             sanitized=self.sanitized,
             unread=unread,
         )

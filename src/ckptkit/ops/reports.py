@@ -38,6 +38,7 @@ class ConvertReport:
         notes: what the caller should know (the source is one shard of a sharded checkpoint;
             what ``dtype`` cast, what ``sanitize`` changed).
         cast: with ``dtype``, the names of the tensors cast (as written).
+        merged: with ``merge_adapter``, the weights the adapter was merged into (as the source names them).
         sanitized: with ``sanitize``, each change, ``"key/path: what -> what"``.
         unread: the source's checksummed records not copied, so not read nor checked (the
             optimizer state a model-only copy leaves behind); ``verify`` checks every one.
@@ -62,6 +63,7 @@ class ConvertReport:
     notes: list[str] = field(default_factory=list)
     pickled_module: str = ""
     cast: list[str] = field(default_factory=list)
+    merged: list[str] = field(default_factory=list)
     sanitized: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
 

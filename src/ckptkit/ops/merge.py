@@ -1,0 +1,291 @@
+"""``convert --merge-adapter``: a PEFT LoRA adapter merged into its base's weights, one at a time.
+
+What PEFT's ``merge_and_unload()`` computes, without the model: for each adapted ``Linear``,
+``W += scaling · B @ A`` (transposed where ``fan_in_fan_out``), ``scaling = lora_alpha / r``, or
+``lora_alpha / √r`` with ``use_rslora``, ``r`` and ``lora_alpha`` per module where
+``rank_pattern`` / ``alpha_pattern`` name it. The arithmetic is PEFT's own, in its order and its
+dtypes (the adapter as ``PeftModel.from_pretrained`` holds it: float32 beside a float16 or
+bfloat16 base, the base's dtype otherwise), so a merge on the CPU gives PEFT's values bit for bit.
+
+Only the weight being merged is in memory, with its delta: a base of any size merges in the
+memory of its largest adapted weight. The adapter is checked against the base first
+(:func:`~ckptkit.ops.adapter.read_adapter`, as ``ckptkit check-adapter``), and an adapter that
+would not apply, or that holds what this merge does not compute (DoRA, LoRA biases, embedding or
+convolution adapters, ``modules_to_save``), is refused before anything is written.
+
+Example:
+    >>> merge = Merge.read("lora/", "base/")  # doctest: +SKIP
+    >>> merge.modules  # doctest: +SKIP
+    ['model.layers.0.self_attn.q_proj.weight', ...]
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from ..errors import ArgumentError, CheckpointFormatError, StateDictMismatchError, UnsupportedCheckpointError, summarize
+from ..formats.entry import Entry
+from ..formats.pickles.safety import AllowGlobals
+from ..io.fileio import Progress, crc32
+from ..prefix import rewrite_prefixes
+from .adapter import CONFIG, lora_key, per_module, read_adapter
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+_UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases"}
+
+
+@dataclass
+class Lora:
+    """One adapted weight's factors, as PEFT holds them once loaded, and its scaling."""
+
+    a: Any  # torch.Tensor [r, in]
+    b: Any  # torch.Tensor [out, r]
+    scaling: float
+    fan_in_fan_out: bool
+
+    def merge_into(self, weight: Any) -> None:
+        """``weight += scaling · B @ A``, in place, as PEFT's ``Linear.merge`` computes it."""
+        import torch
+
+        ldtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        a, b = self.a.to(ldtype), self.b.to(ldtype)  # PeftModel.from_pretrained's adapter dtype
+        delta = b @ a
+        delta.mul_(self.scaling)  # PEFT's out-of-place ``* scaling``: the same products
+        weight += delta.T if self.fan_in_fan_out else delta
+
+
+@dataclass
+class Merge:
+    """A checked adapter, ready to merge: each adapted base weight (by its single-device name) and
+    its factors; :attr:`merged` fills as the weights are written."""
+
+    adapter: str
+    loras: dict[str, Lora]
+    merged: list[str] = field(default_factory=list)
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.loras)
+
+    @classmethod
+    def read(
+        cls,
+        adapter: str | os.PathLike[str],
+        base: str | os.PathLike[str],
+        *,
+        trust: bool = False,
+        allow_globals: AllowGlobals = (),
+    ) -> Merge:
+        """The adapter at ``adapter``, checked against ``base`` as ``check-adapter`` checks it.
+
+        Raises:
+            StateDictMismatchError: the adapter would not apply to ``base`` as it is (keys naming no
+                base module, shapes that do not fit, modules left without an adapter, every
+                ``lora_B`` zero): what ``ckptkit check-adapter`` reports.
+            UnsupportedCheckpointError: the adapter holds what this merge does not compute.
+            ArgumentError: no ``adapter_config.json`` beside it (its ``lora_alpha`` and ``r`` are needed).
+        """
+        found = read_adapter(adapter, base, trust=trust, allow_globals=allow_globals)
+        report, config = found.report, found.config
+        if not report.ok:
+            problems = [
+                f"{len(report.unmatched)} key(s) naming no base module ({summarize(report.unmatched, 2)})"
+                * bool(report.unmatched),
+                f"shapes that do not fit ({summarize(report.shapes, 2)})" * bool(report.shapes),
+                f"target modules without an adapter ({summarize(report.untargeted, 2)})" * bool(report.untargeted),
+                f"{len(report.zero_b)} all-zero lora_B" * bool(report.zero_b),
+            ]
+            fix = f"; {report.fix} makes the keys match" if report.fix else ""
+            raise StateDictMismatchError(
+                f"{adapter} does not apply to {base} as PEFT would load it: {'; '.join(p for p in problems if p)}"
+                f"{fix}; `ckptkit check-adapter {adapter} {base}` shows the whole report. Nothing was written",
+                unexpected=report.unmatched,
+            )
+        if not config:
+            raise ArgumentError(
+                f"{adapter}: no {CONFIG} beside the adapter; a merge needs its r and lora_alpha: put the "
+                f"{CONFIG} PEFT saved with it in the adapter's folder"
+            )
+        for key, what in _UNSUPPORTED.items():
+            if config.get(key):
+                raise UnsupportedCheckpointError(
+                    f"{adapter}: {CONFIG} sets {key} ({what}), which ckptkit does not merge; merge it with PEFT's "
+                    "merge_and_unload()"
+                )
+        others = [k for k in found.tensors if lora_key(k) is None]
+        if others:
+            raise UnsupportedCheckpointError(
+                f"{adapter} holds {len(others)} tensor(s) besides LoRA's lora_A/lora_B weights ({summarize(others, 2)}: "
+                "modules_to_save, embedding adapters, ...), which ckptkit does not merge; merge it with PEFT's "
+                "merge_and_unload()"
+            )
+        factors: dict[str, dict[str, Any]] = {}
+        for key, tensor in found.tensors.items():
+            m = lora_key(key)
+            weight = found.base_key(key)
+            assert m is not None and weight is not None  # report.ok: every key names a base weight
+            if tensor.dim() != 2 or len(found.base_shapes[weight]) != 2:
+                raise UnsupportedCheckpointError(
+                    f"{adapter}: {key} adapts {weight} of shape {found.base_shapes[weight]} with a "
+                    f"{list(tensor.shape)} factor: only Linear (2-D) adapters are merged; merge it with PEFT's "
+                    "merge_and_unload()"
+                )
+            factors.setdefault(weight, {})[m["ab"]] = tensor
+        loras = {}
+        for weight, ab in factors.items():
+            if set(ab) != {"A", "B"}:
+                raise StateDictMismatchError(
+                    f"{adapter}: {weight} has lora_{''.join(ab)} but not its other half; nothing was written"
+                )
+            module = weight.removesuffix(".weight")
+            loras[weight] = Lora(ab["A"], ab["B"], _scaling(config, module), config.get("fan_in_fan_out") is True)
+        return cls(str(adapter), loras)
+
+    def targets(self, names: list[str]) -> dict[str, Lora]:
+        """Which of ``names`` (the base's weights as its checkpoint spells them) each adapter
+        merges into; every adapted weight must be among them.
+
+        Raises:
+            StateDictMismatchError: an adapted weight is not among ``names`` (a ``key=`` that
+                selected other weights).
+        """
+        singles = list(rewrite_prefixes(dict.fromkeys(names), to="single"))
+        out = {name: self.loras[s] for name, s in zip(names, singles, strict=True) if s in self.loras}
+        if missing := sorted(set(self.loras) - {s for s in singles if s in self.loras}):
+            raise StateDictMismatchError(
+                f"{self.adapter} adapts {len(missing)} weight(s) not among those being written "
+                f"({summarize(missing, 2)}); select the base model's weights (key=) it was trained on",
+                missing=missing,
+            )
+        return out
+
+    def notes(self) -> list[str]:
+        scalings = sorted({lo.scaling for lo in self.loras.values()})
+        say = ", ".join(f"{s:g}" for s in scalings)
+        return [f"merged {self.adapter} into {len(self.merged)} weight(s) (W + scaling · B @ A, scaling {say})"]
+
+
+def _scaling(config: Mapping[str, Any], module: str) -> float:
+    """PEFT's ``scaling`` of ``module``."""
+    r = per_module(config, "rank_pattern", "r", module)
+    alpha = per_module(config, "alpha_pattern", "lora_alpha", module)
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0 or not isinstance(alpha, (int, float)):
+        raise ArgumentError(
+            f"{CONFIG}: r={r!r} and lora_alpha={alpha!r} for {module}; expected a positive int and a number"
+        )
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+@dataclass(eq=False)
+class MergedEntry(Entry):
+    """``src`` with a LoRA merged in: read whole (its bytes checked as any copy checks them),
+    merged in place, written. Its bytes exist only once written, so no CRC-32 is known before."""
+
+    src: Entry = field(repr=False)
+    lora: Lora = field(repr=False)
+    crc = None
+    zip = None
+
+    @property
+    def dtype(self) -> str:  # type: ignore[override]
+        return self.src.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self.src.shape
+
+    @property
+    def nbytes(self) -> int:  # type: ignore[override]
+        return self.src.nbytes
+
+    @property
+    def ident(self) -> Any:  # type: ignore[override]
+        return ("merged", self.src.ident)
+
+    @property
+    def storage(self) -> Any:  # type: ignore[override]
+        return self.ident
+
+    @property
+    def storage_size(self) -> int:  # type: ignore[override]
+        return self.nbytes
+
+    @property
+    def complete(self) -> bool:  # type: ignore[override]
+        return True
+
+    def write(self, f: BinaryIO, progress: Progress | None = None) -> int:
+        import torch
+
+        buf = _Buffer(self.src.nbytes)
+        self.src.write(buf, progress)  # type: ignore[arg-type] # a file-like sink
+        if buf.at != len(buf.data):
+            raise CheckpointFormatError(f"internal error: {buf.at} of {len(buf.data)} bytes read to merge")
+        if buf.data:
+            weight = torch.frombuffer(buf.data, dtype=getattr(torch, self.dtype)).view(self.shape)
+            self.lora.merge_into(weight)  # in place, into buf
+        f.write(buf.data)
+        return crc32(buf.data)
+
+
+class _Buffer:
+    """What a source entry writes its bytes into: one tensor's memory, filled in order."""
+
+    def __init__(self, n: int) -> None:
+        self.data, self.at = bytearray(n), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.data[self.at : self.at + len(view)] = view
+        self.at += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        """Nothing to flush: the bytes are in memory."""
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a merge's buffer has no file descriptor")
+
+
+def _refuse(name: str, dtype: str, merge: Merge) -> None:
+    if dtype not in FLOATS:
+        raise UnsupportedCheckpointError(
+            f"{name} is {dtype}: ckptkit merges adapters into float16, bfloat16, float32 and float64 weights only, "
+            f"not quantized ones; merge {merge.adapter} with PEFT into a dequantized base"
+        )
+
+
+def fast_merge(view: Any, merge: Merge) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """The weights with each one the adapter adapts wrapped to be merged as it is written
+    (:class:`MergedEntry`), the rest as they are."""
+
+    def run(state: Mapping[str, Any]) -> dict[str, Any]:
+        targets = merge.targets(list(state))
+        out = dict(state)
+        for name, lora in targets.items():
+            e = view.entry(state[name], name) if view.is_leaf(state[name]) else state[name]
+            _refuse(name, e.dtype, merge)
+            out[name] = MergedEntry(e, lora)
+            merge.merged.append(name)
+        return out
+
+    return run
+
+
+def merge_tensors(state: Mapping[str, Any], merge: Merge) -> dict[str, Any]:
+    """``state`` (torch tensors) with the adapter merged into each weight it adapts, each a new
+    tensor (the loaded ones are left as they are)."""
+    targets = merge.targets(list(state))
+    out = dict(state)
+    for name, lora in targets.items():
+        weight = state[name].detach().clone()
+        _refuse(name, str(weight.dtype).removeprefix("torch."), merge)
+        lora.merge_into(weight)
+        out[name] = weight
+        merge.merged.append(name)
+    return out
