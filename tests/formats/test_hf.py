@@ -515,3 +515,48 @@ def test_an_index_nested_100000_deep_is_one_error(tmp_path: Path) -> None:
     assert not report.ok and "RecursionError" in report.checks[-1].detail
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "must be JSON" in result.stderr, result.output
+
+
+# torchao's description of its quantized tensors, as transformers' save_pretrained writes it in every
+# shard's header: without it, from_pretrained cannot rebuild the Int8Tensor (finding 4 of issue 35).
+TORCHAO_META = {
+    "format": "pt",
+    "tensor_names": '["a.weight", "b.weight"]',
+    "a.weight": '{"_type": "Int8Tensor", "_data": {"block_size": [1, 4]}, "_tensor_data_names": ["qdata", "scale"]}',
+    "b.weight": '{"_type": "torch.Tensor"}',
+}
+
+
+@pytest.mark.parametrize("out", ["folder", "shards", "file"])
+def test_the_shards_safetensors_metadata_travels_to_every_output(tmp_path: Path, out: str) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = {"a._weight_qdata": torch.ones(4, 4, dtype=torch.int8), "a._weight_scale": torch.ones(4)}
+    save_file(tensors, src / "model-00001-of-00002.safetensors", metadata=TORCHAO_META)
+    save_file({"b.weight": torch.zeros(3)}, src / "model-00002-of-00002.safetensors", metadata=TORCHAO_META)
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in tensors} | {
+        "b.weight": "model-00002-of-00002.safetensors"
+    }
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 32}, "weight_map": weight_map})
+    )
+    given = {"folder": f"{tmp_path}/out/", "shards": f"{tmp_path}/shards", "file": f"{tmp_path}/one.safetensors"}[out]
+    report = ckptkit.convert_checkpoint(src, given, max_shard_size=20 if out == "shards" else None)
+    dest = Path(given)
+    files = sorted(dest.glob("*.safetensors")) if out != "file" else [dest]
+    assert len(files) == {"folder": 1, "shards": 3, "file": 1}[out], files
+    for f in files:
+        with safe_open(f, "pt") as st:
+            meta = st.metadata()
+        assert {k: meta.get(k) for k in TORCHAO_META} == TORCHAO_META, (f.name, meta)
+    assert not [n for n in report.notes if "metadata" in n], report.notes
+
+
+def test_renamed_weights_say_that_the_metadata_kept_the_source_names(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"module.b.weight": torch.zeros(3)}, src := tmp_path / "m.safetensors", metadata=TORCHAO_META)
+    report = ckptkit.convert_checkpoint(src, f"{tmp_path}/out/")
+    assert any("safetensors metadata (a.weight, b.weight ... and 1 more)" in n for n in report.notes), report.notes

@@ -98,7 +98,19 @@ class Source:
         return self.module
 
     def output_metadata(self) -> dict[str, str]:
-        return (self.metadata or {}) if self.fmt == SAFETENSORS else {"format": "pt"}
+        if self.fmt == SAFETENSORS:
+            return self.metadata or {}
+        if self.index is None:
+            return {"format": "pt"}
+        # Shards: what their headers say, each key as the first shard saying it has it (writers such as
+        # transformers put the same entries, torchao's description of each tensor among them, in every shard).
+        out: dict[str, str] = {"format": "pt"}
+        for part in self.parts:
+            for k, v in (part.metadata or {}).items():
+                if k in self.obj and v in self.obj:  # huggingface_hub's tie (dropped name: kept name), not carried
+                    continue
+                out[k] = out[k] if k in out and k != "format" else v
+        return out
 
     def is_leaf(self, value: Any) -> bool:
         return is_leaf(value)

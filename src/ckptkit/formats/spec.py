@@ -202,6 +202,8 @@ class CheckpointFormat:
         trust_matters: its pickles can name code; False where they are read inertly whatever
             ``trust`` says (DeepSpeed's records).
         tensors_only: it holds tensors only: anything beside the weights needs ``model_only``.
+        keeps_metadata: its outputs carry the source's safetensors metadata
+            (:meth:`View.output_metadata`).
         scan_globals: one pickle whose globals can be listed, and tried with torch's weights-only
             unpickler (torch's own formats).
         partial: raises where a path of this format is one part of a checkpoint given alone.
@@ -223,6 +225,7 @@ class CheckpointFormat:
     device_tags: bool = False
     trust_matters: bool = True
     tensors_only: bool = False
+    keeps_metadata: bool = False
     scan_globals: bool = False
     partial: Callable[[Path], None] | None = field(default=None, repr=False)
     module_name: Callable[[str | os.PathLike[str]], str] | None = field(default=None, repr=False)

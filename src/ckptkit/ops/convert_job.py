@@ -153,6 +153,12 @@ class Job:
         before, after = renamed_prefixes(names, list(new_state))
         notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
         notes += [f"rename rule '{r}' matched no weight's name" for r in unmatched_rules]
+        described = sorted(k for k in view.output_metadata() if k != "format" and not k.startswith("ckptkit."))
+        if described and self.out_fmt.keeps_metadata and any(a != b for a, b in zip(names, new_state, strict=True)):
+            notes.append(
+                f"the source's safetensors metadata ({summarize(described, 2)}) is written as it was: any entry "
+                "naming a tensor still names it as the source did"
+            )
         if count:
             keep = spell("to='keep'", "--to keep")
             notes.append(

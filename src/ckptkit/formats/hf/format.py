@@ -30,6 +30,7 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
         source=view.name,
         progress=plan.progress,
         after=view.damage.raise_if_any,
+        metadata=view.output_metadata(),
     )
 
 
@@ -47,5 +48,6 @@ HF_FORMAT = CheckpointFormat(
     write_entries=write_entries,
     folder=True,
     tensors_only=True,
+    keeps_metadata=True,
     producer=producer,
 )

@@ -51,10 +51,15 @@ def check_destination(src: Path, dest: Path, *, force: bool) -> None:
 
 
 def write_folder(
-    dest: Path, written: Written, write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object]
+    dest: Path,
+    written: Written,
+    write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object],
+    metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write ``written``'s shards (``write_shard(file, names, metadata)`` fills each) and its index
-    into a temp folder that becomes ``dest`` once every file is complete and durable.
+    into a temp folder that becomes ``dest`` once every file is complete and durable. Every shard
+    carries ``metadata`` (the source's: torchao's description of its tensors, transformers'
+    ``format``), as transformers' own sharded save does.
 
     The files are fsynced once all are written, not each before the next is begun: an fsync
     waits for its file's last bytes to reach the disk, time the next shard's copy can use
@@ -62,7 +67,7 @@ def write_folder(
     hear of a failed writeback (a reopened one may not, if the file left memory between); past
     ``_OPEN_AT_MOST`` files the oldest is synced and closed early."""
     one = len(written.files) == 1
-    meta = {"format": "pt", **(written.tied if one else {})}
+    meta = {"format": "pt", **(metadata or {}), **(written.tied if one else {})}
     with (
         atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp,
         contextlib.ExitStack() as files,
@@ -111,10 +116,11 @@ def write_shards(
     progress: Progress | None = None,
     views: bool = False,
     after: Callable[[], object] = lambda: None,
+    metadata: Mapping[str, str] | None = None,
 ) -> Written:
-    """Write ``state`` (names -> :class:`~..entry.Entry`) as a sharded folder at ``dest``;
-    ``after()`` runs once each shard is written, before anything is published (a source's
-    damage check).
+    """Write ``state`` (names -> :class:`~..entry.Entry`) as a sharded folder at ``dest``, each
+    shard with ``metadata`` (``{"format": "pt"}`` at least); ``after()`` runs once each shard is
+    written, before anything is published (a source's damage check).
 
     Raises:
         ArgumentError: a value is not a tensor; NeedsTorch: views of one storage (see :func:`plan`).
@@ -128,5 +134,5 @@ def write_shards(
         write_safetensors(f, {n: state[n] for n in names}, meta, source=source, progress=progress)
         after()
 
-    write_folder(dest, written, write_shard)
+    write_folder(dest, written, write_shard, metadata)
     return written

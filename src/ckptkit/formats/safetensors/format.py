@@ -45,5 +45,6 @@ SAFETENSORS_FORMAT = CheckpointFormat(
     write_entries=write_entries,
     suffixes=(".safetensors",),
     tensors_only=True,
+    keeps_metadata=True,
     ties=tied_names,
 )
