@@ -6,6 +6,7 @@ import contextlib
 import functools
 import importlib
 import json
+import logging
 import signal
 import sys
 import warnings
@@ -83,24 +84,29 @@ def fail(message: str, code: int, *, as_json: bool = False, kind: str = "error")
     sys.exit(code)
 
 
-def handle_errors(fn: F | None = None, *, trouble: int = 1, stopped: tuple[str, int] | None = None) -> Any:
+def handle_errors(
+    fn: F | None = None, *, trouble: int = 1, stopped: tuple[str, int] | None = None, logs: bool = False
+) -> Any:
     """Turn expected errors into one line on stderr and an exit code.
 
     Exit codes: 2 for usage errors (and for every error of a command whose 1 means "different",
     ``trouble=2``, as GNU diff does), else 1; 128 + N for signal N, nothing left behind. Messages
     name command-line flags (``--trust``), not keywords; torch's warnings are not for the command
     line's user (``--debug`` shows them, with tracebacks). ``stopped``: what to say, and the exit
-    code, when a signal stops the command (default: nothing was written, 128 + N).
+    code, when a signal stops the command (default: nothing was written, 128 + N). Nor are the
+    log lines of the libraries a trusted unpickle imports (torchao's "Failed to load" of its CUDA
+    kernels, torch's own): below ERROR they are dropped unless ``--debug``, or ``logs`` (the
+    trainer, whose progress is its log).
     """
     if fn is None:
-        return functools.partial(handle_errors, trouble=trouble, stopped=stopped)
+        return functools.partial(handle_errors, trouble=trouble, stopped=stopped, logs=logs)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         debug = click.get_current_context().find_root().params.get("debug", False)
         as_json = bool(kwargs.get("as_json"))
         try:
-            with cli_spelling(), _stop_on_signals(), warnings.catch_warnings():
+            with cli_spelling(), _stop_on_signals(), warnings.catch_warnings(), _library_logs(shown=debug or logs):
                 if not debug:
                     warnings.simplefilter("ignore")
                 return fn(*args, **kwargs)
@@ -119,6 +125,19 @@ def handle_errors(fn: F | None = None, *, trouble: int = 1, stopped: tuple[str, 
             fail(f"stopped by {name}; {what}", code, as_json=as_json, kind=name)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _library_logs(*, shown: bool) -> Iterator[None]:
+    """Log records below ERROR dropped for the block, unless ``shown``."""
+    if shown:
+        yield
+        return
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def emit_json(data: dict[str, Any]) -> None:

@@ -68,7 +68,7 @@ class _TrainCommand(click.Command):
     help="Seconds the workers get to save after Ctrl-C or SIGTERM, before SIGKILL.",
 )
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
-@handle_errors(stopped=("nothing was saved", 130))
+@handle_errors(stopped=("nothing was saved", 130), logs=True)
 def train(
     nproc: int,
     nnodes: str,

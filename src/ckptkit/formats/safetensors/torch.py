@@ -18,8 +18,9 @@ from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ...errors import ArgumentError, CheckpointFormatError
+from ...errors import ArgumentError, CheckpointFormatError, UnsupportedCheckpointError
 from ...io.fileio import Progress, write_checked
 from ..entry import Bytes
 from ..spec import Placement, WritePlan
@@ -52,6 +53,13 @@ def entries(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(t, torch.Tensor):
             out[name] = t
             continue
+        if is_traceable_wrapper_subclass(t):  # its own storage is a placeholder: the data is in inner tensors
+            kind = type(t)
+            raise UnsupportedCheckpointError(
+                f"{name} is a {kind.__module__.split('.')[0]} {kind.__name__} (a tensor subclass, as torchao's "
+                "quantized weights are), which safetensors cannot hold as a plain tensor; write a .pt file instead, "
+                "or save it with the library that made it (transformers' save_pretrained writes torchao's layout)"
+            )
         s = t.untyped_storage()
         nbytes = t.numel() * t.element_size()
         out[name] = Bytes(
