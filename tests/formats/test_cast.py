@@ -401,3 +401,30 @@ def test_a_bad_dtype_is_refused_before_anything_is_read(tmp_path: Path) -> None:
         ckptkit.convert_checkpoint(tmp_path / "missing.pt", tmp_path / "out.pt", dtype="int8")  # type: ignore[arg-type]
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--dtype", "int8"])
     assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+# Finding 1 of issue 35 on bitsandbytes' own file: --dtype bf16 cast the NF4 codebook and absmax, and
+# from_pretrained then decoded every 4-bit layer wrong without a word.
+def test_a_bitsandbytes_4bit_folder_cast_to_bf16_decodes_to_the_same_weights(tmp_path: Path) -> None:
+    import shutil
+
+    from tests.formats.test_producers import _framework
+
+    nf4 = Path(__file__).resolve().parents[2] / "fixtures" / "frameworks" / "bitsandbytes" / "nf4"
+    out = tmp_path / "bf16"
+    report = ckptkit.convert_checkpoint(nf4, f"{out}/", dtype="bf16")
+    assert any(n.startswith("left ") and "quantization-state tensors" in n for n in report.notes), report.notes
+    src, got = ckptkit.read_checkpoint(nf4), ckptkit.read_checkpoint(out)
+    for k, v in src.items():  # the packed weights and their state as they were; the rest cast
+        assert torch.equal(got[k], v.to(torch.bfloat16) if k in report.cast else v), k
+    assert report.cast and not [k for k in report.cast if k.endswith(("absmax", "quant_map")) or "quant_state" in k]
+    shutil.copy(nf4 / "config.json", out)
+    transformers, bnb = _framework("transformers"), _framework("bitsandbytes")
+    want = transformers.LlamaForCausalLM.from_pretrained(nf4, device_map="cpu")
+    have = transformers.LlamaForCausalLM.from_pretrained(out, device_map="cpu")
+    layers = [(n, m) for n, m in want.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 14
+    for name, module in layers:
+        mine = have.get_submodule(name).weight
+        decoded = bnb.functional.dequantize_4bit(mine.data, mine.quant_state)
+        assert torch.equal(decoded, bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)), name

@@ -560,3 +560,22 @@ def test_renamed_weights_say_that_the_metadata_kept_the_source_names(tmp_path: P
     save_file({"module.b.weight": torch.zeros(3)}, src := tmp_path / "m.safetensors", metadata=TORCHAO_META)
     report = ckptkit.convert_checkpoint(src, f"{tmp_path}/out/")
     assert any("safetensors metadata (a.weight, b.weight ... and 1 more)" in n for n in report.notes), report.notes
+
+
+def test_diffusers_own_sharded_unet_reads_as_diffusers_loads_it(tmp_path: Path) -> None:
+    from tests.formats.test_producers import _framework
+
+    unet = Path(__file__).resolve().parents[2] / "fixtures" / "frameworks" / "diffusers" / "unet"
+    got = ckptkit.read_checkpoint(unet)
+    out = tmp_path / "unet"
+    out.mkdir()
+    ckptkit.convert_checkpoint(unet, out / "diffusion_pytorch_model.safetensors")  # one file, as diffusers names it
+    shutil.copy(unet / "config.json", out)
+    shard = unet / "diffusion_pytorch_model-00002-of-00005.safetensors"
+    code, _, stderr = run("convert", shard, tmp_path / "one.safetensors")
+    assert "shard 2 of 5" in stderr and "diffusion_pytorch_model.safetensors.index.json" in stderr, stderr
+    diffusers = _framework("diffusers")
+    want = diffusers.UNet2DModel.from_pretrained(unet).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    merged = diffusers.UNet2DModel.from_pretrained(out).state_dict()
+    assert all(torch.equal(merged[k], v) for k, v in want.items())
