@@ -210,16 +210,25 @@ def test_a_url_without_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
 # -- faults: nothing partial is ever visible -------------------------------------------------
 
 
+def _on_call(monkeypatch: pytest.MonkeyPatch, before: Any) -> None:
+    """``before(method, kwargs)`` runs before each S3 call s3fs makes (it may raise, or stop the server)."""
+    call = s3fs.core.S3FileSystem._call_s3
+
+    async def patched(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        before(method, kwargs)
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", patched)
+
+
 def _fail_part(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
     """The upload's part ``at`` fails, as a dropped connection would."""
-    call = s3fs.core.S3File._call_s3
 
-    def failing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    def failing(method: str, kwargs: dict[str, Any]) -> None:
         if method == "upload_part" and kwargs.get("PartNumber", 0) >= at:
             raise OSError("injected: connection reset during upload_part")
-        return call(self, method, *args, **kwargs)
 
-    monkeypatch.setattr(s3fs.core.S3File, "_call_s3", failing)
+    _on_call(monkeypatch, failing)
 
 
 def test_an_upload_failing_midway_leaves_no_object_and_latest_unchanged(
@@ -272,13 +281,13 @@ import ckptkit
 from ckptkit.io import remote
 remote.PART_SIZE = 5 << 20
 ready, url = pathlib.Path(sys.argv[1]), sys.argv[2]
-call = s3fs.core.S3File._call_s3
-def blocking(self, method, *args, **kwargs):
+call = s3fs.core.S3FileSystem._call_s3
+async def blocking(self, method, *args, **kwargs):
     if method == "upload_part" and kwargs["PartNumber"] == 2:
-        ready.write_text("part 2")  # part 1 is in the store: the upload is under way
-        time.sleep(600)
-    return call(self, method, *args, **kwargs)
-s3fs.core.S3File._call_s3 = blocking
+        ready.write_text("part 2")  # the upload is under way
+        time.sleep(600)  # blocks s3fs's event loop: no other part completes either
+    return await call(self, method, *args, **kwargs)
+s3fs.core.S3FileSystem._call_s3 = blocking
 ckptkit.save_on_master({"w": torch.ones(3 << 20)}, url)
 """
 
@@ -515,14 +524,12 @@ def test_losing_the_endpoint_mid_upload_is_one_line_naming_the_url(
 ) -> None:
     server, url = lost_endpoint
     torch.save(_state(), tmp_path / "ddp.pt")
-    call = s3fs.core.S3File._call_s3
 
-    def losing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    def losing(method: str, kwargs: dict[str, Any]) -> None:
         if method == "upload_part" and kwargs.get("PartNumber") == 2:
             server.stop()  # the store goes away between two parts: a real refused connection follows
-        return call(self, method, *args, **kwargs)
 
-    monkeypatch.setattr(s3fs.core.S3File, "_call_s3", losing)
+    _on_call(monkeypatch, losing)
     code, out, err = run("convert", tmp_path / "ddp.pt", url)
     assert code == 1 and "Traceback" not in err and len(lines(err)) == 1, err
     assert lines(err)[0].startswith(f"ckptkit: error: cannot write {url}: Could not connect to the endpoint URL")
@@ -553,3 +560,107 @@ def test_the_retry_mode_is_the_aws_clis_unless_the_user_set_one(
     fs, _ = remote.filesystem(f"s3://{BUCKET}/k")
     assert fs.config_kwargs.get("retries", {}).get("mode") == mode
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+# -- the commit check: the store's CRC-32 of the object, else a read-back -------------------------
+
+
+def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    made: list[tuple[str, dict[str, Any]]] = []
+    _on_call(monkeypatch, lambda method, kwargs: made.append((method, dict(kwargs))))
+    return made
+
+
+# Was: every upload was read back whole after its commit (about one get_file more per write).
+def test_a_multipart_upload_is_checked_by_the_stores_crc_not_read_back(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.save(_state(), tmp_path / "ddp.pt")
+    made = _calls(monkeypatch)
+    report = ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out.pt")
+    assert f"{prefix}/out.pt: uploaded and committed, checked by the store's CRC-32 of the whole object" in report.notes
+    methods = [m for m, _ in made]
+    assert methods.count("upload_part") == 3 and "get_object" not in methods, methods
+    parts = [k for m, k in made if m == "upload_part"]
+    assert all("ChecksumCRC32" in k for k in parts)  # each part checked by the store on arrival
+    _fs().get_file(f"{prefix}/out.pt", str(tmp_path / "back.pt"))
+    want = {k.removeprefix("module."): v for k, v in _state().items()}
+    assert _equal(torch.load(tmp_path / "back.pt", weights_only=True), want)
+
+
+def test_a_part_corrupted_on_the_way_fails_the_write_and_leaves_no_object(
+    prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = ckptkit.CheckpointFolder(f"{prefix}/run")
+    ckptkit.save_on_master(_state(1), folder.path_for(1))
+    folder.commit(folder.path_for(1))
+
+    def corrupting(method: str, kwargs: dict[str, Any]) -> None:
+        if method == "upload_part" and kwargs["PartNumber"] == 2:
+            body = bytearray(kwargs["Body"])
+            body[1000] ^= 0x10  # one bit, after ckptkit computed the part's CRC-32
+            kwargs["Body"] = bytes(body)
+
+    _on_call(monkeypatch, corrupting)
+    # S3 itself refuses the part (its CRC-32 differs) or the completion; moto stores it, and the CRC-32
+    # it computes over the object then differs from the one sent: the object is removed.
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=r"CRC-32 [0-9a-f]{8}"):
+        ckptkit.save_on_master(_state(2), folder.path_for(2))
+    assert not _fs().exists(folder.path_for(2))
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
+    assert folder.checkpoints() == [folder.path_for(1)] and folder.latest() == folder.path_for(1)
+
+
+def test_a_store_without_checksums_is_read_back_and_the_report_says_so(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def stripping(method: str, kwargs: dict[str, Any]) -> None:  # a store that ignores the checksum headers
+        for k in [k for k in kwargs if k.startswith("Checksum")]:
+            del kwargs[k]
+
+    _on_call(monkeypatch, stripping)
+    made = _calls(monkeypatch)
+    torch.save(_state(), tmp_path / "ddp.pt")
+    report = ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out.pt")
+    assert f"{prefix}/out.pt: uploaded and committed, checked by reading the object back" in report.notes
+    assert [m for m, _ in made].count("get_object") >= 3  # the whole object, part by part
+
+
+def test_parts_go_several_at_once_and_no_more_than_asked(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    monkeypatch.setenv("CKPTKIT_S3_PARTS", "2")
+    started: set[int] = set()
+    now = [0, 0]  # in flight, most at once
+    call = s3fs.core.S3FileSystem._call_s3
+
+    async def counting(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method != "upload_part":
+            return await call(self, method, *args, **kwargs)
+        started.add(kwargs["PartNumber"])
+        now[0] += 1
+        now[1] = max(now)
+        for _ in range(3000):  # part 1 waits for part 2 to start: it does only if two go at once
+            if kwargs["PartNumber"] != 1 or 2 in started:
+                break
+            await asyncio.sleep(0.01)
+        try:
+            return await call(self, method, *args, **kwargs)
+        finally:
+            now[0] -= 1
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", counting)
+    ckptkit.save_on_master(_state(), f"{prefix}/w.pt")
+    assert started == {1, 2, 3} and now[1] == 2, (started, now)
+    assert _equal(ckptkit.read_checkpoint(f"{prefix}/w.pt"), _state())
+
+
+def test_a_bad_parts_setting_is_one_line(prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTKIT_S3_PARTS", "many")
+    torch.save(_state(), tmp_path / "ddp.pt")
+    code, _, err = run("convert", tmp_path / "ddp.pt", f"{prefix}/out.pt")
+    assert code == 2 and lines(err) == [
+        "ckptkit: error: CKPTKIT_S3_PARTS='many': expected a positive integer (parts uploaded at once)"
+    ], err

@@ -145,6 +145,13 @@ def _recorded_crc(fs: Any, key: str) -> int | None:
         return None
 
 
+def s3_call(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 API call through s3fs (its credentials, retries and event loop), from any thread."""
+    from fsspec.asyn import sync  # deferred with fsspec, as in filesystem()
+
+    return sync(fs.loop, fs._call_s3, method, **kwargs)
+
+
 def protocols(fs: Any) -> tuple[str, ...]:
     p = fs.protocol
     return (p,) if isinstance(p, str) else tuple(p)

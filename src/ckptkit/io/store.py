@@ -45,6 +45,7 @@ class Local:
 
     remote = False
     holds_folders = True
+    checked: list[str] = []  # noqa: RUF012 - never appended to: a local file is checked by its writer
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -164,6 +165,7 @@ class Remote:
     def __init__(self, url: str) -> None:
         self.given = url  # as written: a trailing / asks for a folder
         self.spelled = url.rstrip("/")
+        self.checked: list[str] = []  # how each upload :meth:`writing` made was checked
 
     def __repr__(self) -> str:
         return f"Remote({self.spelled!r})"
@@ -195,8 +197,9 @@ class Remote:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
-        """A local staging path to write; uploaded and read back when the block ends without error."""
-        with upload.staged_write(self.spelled) as local:
+        """A local staging path to write; uploaded and checked when the block ends without error
+        (by the store's CRC-32 of the object, or by reading it back: said in :attr:`checked`)."""
+        with upload.staged_write(self.spelled, self.checked) as local:
             yield os.fspath(local)
 
     def spell(self, text: str, local: str) -> str:

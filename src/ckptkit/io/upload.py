@@ -15,17 +15,35 @@ Example:
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointWriteError, CkptkitError
+from ..errors import ArgumentError, CheckpointWriteError, CkptkitError
 from . import remote
+from .crcmath import crc32_combine
 from .fileio import crc32
-from .remote import CRC_KEY, filesystem, naming, object_info, one_line, protocols, staging, store_failure, stream
+from .remote import (
+    CRC_KEY,
+    filesystem,
+    naming,
+    object_info,
+    one_line,
+    protocols,
+    s3_call,
+    staging,
+    store_failure,
+    stream,
+)
 
 _MAX_PARTS = 9000  # S3 allows 10,000 parts: beyond PART_SIZE * this, parts grow
+PARTS_IN_FLIGHT = 4  # parts an upload sends at once (CKPTKIT_S3_PARTS): memory holds this many parts
+STORE_CHECK = "the store's CRC-32 of the whole object"
+READ_BACK = "reading the object back"
 
 
 def _file_crc(path: Path) -> int:
@@ -82,27 +100,58 @@ def abort_left_uploads(fs: Any, key: str) -> list[str]:
         return aborted
 
 
-def upload_verified(local: Path, url: str) -> None:
-    """Upload the file ``local`` to ``url`` in parts, commit, and read the object back.
+def upload_verified(local: Path, url: str) -> str:
+    """Upload the file ``local`` to ``url`` in parts, commit, and check what the store holds: by
+    the store's own full-object CRC-32 where it computes one (S3 refuses to complete an upload
+    whose bytes do not match it), else by reading the object back. Returns which check ran
+    (:data:`STORE_CHECK` or :data:`READ_BACK`).
 
     The object appears only when the whole upload is committed; a failure (or an interrupt)
     before that aborts the multipart upload and leaves any previous object at ``url`` as it was.
 
     Raises:
-        CheckpointWriteError: the upload failed, or what was read back differs from what was sent.
+        CheckpointWriteError: the upload failed, or what the store holds differs from what was sent.
     """
     fs, key = filesystem(url)
     size = local.stat().st_size
     crc = _file_crc(local)
     part = max(remote.PART_SIZE, -(-size // _MAX_PARTS))
-    extra = {"Metadata": {CRC_KEY: f"{crc:08x}"}} if "s3" in protocols(fs) else {}
     untouched = f"the previous object at {url}, if any, is untouched"
     abort_left_uploads(fs, key)
+    try:
+        if "s3" in protocols(fs):
+            echoed = _s3_upload(fs, key, local, size=size, crc=crc, part=part)
+        else:
+            echoed = None
+            _fsspec_upload(fs, key, local, crc=crc, part=part, url=url)
+    except BaseException as e:
+        if store_failure(e) and not isinstance(e, CkptkitError):  # botocore's are no OSError: one line, not a traceback
+            raise CheckpointWriteError(
+                f"cannot write {url}: {one_line(e)}; {untouched}; check the network, then write it again"
+            ) from e
+        raise
+    if echoed is None:
+        check_object(url, size=size, crc=crc)
+        return READ_BACK
+    if echoed != crc:  # a store that completed it anyway: what it holds is not what was sent
+        with contextlib.suppress(Exception):
+            fs.rm(key)
+        raise CheckpointWriteError(
+            f"{url}: the store computed CRC-32 {echoed:08x} over the object, but {crc:08x} was sent; "
+            "the object was removed; write it again"
+        )
+    return STORE_CHECK
+
+
+def _fsspec_upload(fs: Any, key: str, local: Path, *, crc: int, part: int, url: str) -> None:
+    """Any fsspec store: its file object, one part a write, closed to commit."""
+    extra = {"Metadata": {CRC_KEY: f"{crc:08x}"}} if "s3" in protocols(fs) else {}
     try:
         out = fs.open(key, "wb", block_size=part, **extra)
     except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise CheckpointWriteError(
-            f"cannot write {url}: {one_line(e)}; {untouched}; check the bucket, credentials and network"
+            f"cannot write {url}: {one_line(e)}; the previous object at {url}, if any, is untouched; "
+            "check the bucket, credentials and network"
         ) from e
     try:
         sent = 0
@@ -111,16 +160,146 @@ def upload_verified(local: Path, url: str) -> None:
                 sent = crc32(chunk, sent)
                 out.write(chunk)
         if sent != crc:
-            raise CheckpointWriteError(f"{local} changed while it was uploaded to {url}; {untouched}; write it again")
+            raise _changed(local, url=f"{fs.protocol}://{key}")
         out.close()  # the commit: one PUT, or completing the multipart upload
-    except BaseException as e:  # an interrupt too: abort, so no partial object is ever committed
+    except BaseException:  # an interrupt too: abort, so no partial object is ever committed
         _abort(out, fs, key)
-        if store_failure(e) and not isinstance(e, CkptkitError):  # botocore's are no OSError: one line, not a traceback
-            raise CheckpointWriteError(
-                f"cannot write {url}: {one_line(e)}; {untouched}; check the network, then write it again"
-            ) from e
         raise
-    check_object(url, size=size, crc=crc)
+
+
+def _changed(local: Path, *, url: str) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"{local} changed while it was uploaded to {url}; the previous object, if any, is untouched; write it again"
+    )
+
+
+def _b64(crc: int) -> str:
+    """A CRC-32 as S3 spells it in its checksum headers: the 4 big-endian bytes, base64."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _echoed(response: Mapping[str, Any]) -> int | None:
+    """The full-object CRC-32 the store says it computed; None where it says none (or a composite one)."""
+    value = response.get("ChecksumCRC32")
+    if not isinstance(value, str) or response.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+def parts_in_flight() -> int:
+    """How many parts an upload sends at once: ``$CKPTKIT_S3_PARTS``, else :data:`PARTS_IN_FLIGHT`.
+    Memory holds that many parts (of ``remote.PART_SIZE`` each) at most.
+
+    Raises:
+        ArgumentError: the variable is set to something other than a positive integer.
+    """
+    given = os.environ.get("CKPTKIT_S3_PARTS", "")
+    if not given:
+        return PARTS_IN_FLIGHT
+    if not given.isdigit() or int(given) < 1:
+        raise ArgumentError(f"CKPTKIT_S3_PARTS={given!r}: expected a positive integer (parts uploaded at once)")
+    return int(given)
+
+
+def _s3_upload(fs: Any, key: str, local: Path, *, size: int, crc: int, part: int) -> int | None:
+    """One PUT, or a multipart upload whose parts go several at once, each with its CRC-32 for the
+    store to check, completed with the whole object's CRC-32 (``ChecksumType=FULL_OBJECT``), so a
+    store that checks refuses bytes that differ. Returns the CRC-32 the store echoed, or None
+    where it echoed none (then the caller reads the object back)."""
+    bucket, path, _ = fs.split_path(key)
+    meta = {CRC_KEY: f"{crc:08x}"}
+    with open(local, "rb") as f:
+        if size <= part:
+            data = f.read()
+            if crc32(data) != crc:
+                raise _changed(local, url=f"s3://{key}")
+            put = s3_call(fs, "put_object", Bucket=bucket, Key=path, Body=data, Metadata=meta, ChecksumCRC32=_b64(crc))
+            return _echoed(put) if _echoed(put) is not None else _stored_crc(fs, bucket, path)
+        checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"}
+        try:
+            created = s3_call(fs, "create_multipart_upload", Bucket=bucket, Key=path, Metadata=meta, **checksum)
+        except Exception as e:  # noqa: BLE001 - a store that takes no checksum headers (some S3-compatible ones)
+            if not _refused_checksum(e):
+                raise
+            checksum = {}
+            created = s3_call(fs, "create_multipart_upload", Bucket=bucket, Key=path, Metadata=meta)
+        upload = {"Bucket": bucket, "Key": path, "UploadId": created["UploadId"]}
+        try:
+            parts, sent = _send_parts(fs, f.fileno(), upload, size=size, part=part, checked=bool(checksum))
+            if sent != crc:
+                raise _changed(local, url=f"s3://{key}")
+            whole = {"ChecksumCRC32": _b64(crc), "ChecksumType": "FULL_OBJECT"} if checksum else {}
+            done = s3_call(fs, "complete_multipart_upload", **upload, MultipartUpload={"Parts": parts}, **whole)
+        except BaseException:  # an interrupt too: abort, so no partial object is ever committed
+            with contextlib.suppress(Exception):
+                s3_call(fs, "abort_multipart_upload", **upload)
+            raise
+    if not checksum:
+        return None
+    return _echoed(done) if _echoed(done) is not None else _stored_crc(fs, bucket, path)
+
+
+def _stored_crc(fs: Any, bucket: str, path: str) -> int | None:
+    """The full-object CRC-32 the store keeps for the object (HeadObject with ChecksumMode), for
+    stores that do not echo it when the upload completes; None where it keeps none."""
+    try:
+        return _echoed(s3_call(fs, "head_object", Bucket=bucket, Key=path, ChecksumMode="ENABLED"))
+    except Exception as e:  # noqa: BLE001 - a store that takes no ChecksumMode: it is read back instead
+        if store_failure(e) and not _refused_checksum(e):
+            raise
+        return None
+
+
+def _refused_checksum(e: BaseException) -> bool:
+    """Whether a store refused the checksum headers themselves (not the bucket, nor the credentials)."""
+    text = str(e)
+    return any(k in text for k in ("ChecksumType", "ChecksumAlgorithm", "x-amz-checksum", "NotImplemented"))
+
+
+def _send_parts(
+    fs: Any, fd: int, upload: Mapping[str, str], *, size: int, part: int, checked: bool
+) -> tuple[list[dict[str, Any]], int]:
+    """Upload ``fd``'s bytes as parts of ``part`` bytes, :func:`parts_in_flight` at a time; returns
+    the parts as CompleteMultipartUpload lists them, and the CRC-32 of the bytes sent."""
+    count = -(-size // part)
+    done: dict[int, tuple[dict[str, Any], int, int]] = {}
+
+    def send(number: int) -> tuple[int, dict[str, Any], int, int]:
+        data = os.pread(fd, part, (number - 1) * part)
+        value = crc32(data)
+        extra = {"ChecksumCRC32": _b64(value)} if checked else {}
+        r = s3_call(fs, "upload_part", **upload, PartNumber=number, Body=data, **extra)
+        listed = {"PartNumber": number, "ETag": r["ETag"], **extra}
+        return number, listed, value, len(data)
+
+    with concurrent.futures.ThreadPoolExecutor(
+        max_workers=parts_in_flight(), thread_name_prefix="ckptkit-part"
+    ) as pool:
+        pending: set[concurrent.futures.Future[tuple[int, dict[str, Any], int, int]]] = set()
+        numbers = iter(range(1, count + 1))
+        try:
+            while True:
+                while len(pending) < parts_in_flight() and (n := next(numbers, None)) is not None:
+                    pending.add(pool.submit(send, n))
+                if not pending:
+                    break
+                finished, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    number, listed, value, length = future.result()  # a part's failure fails the upload
+                    done[number] = (listed, value, length)
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    sent = 0
+    for number in range(1, count + 1):
+        listed, value, length = done[number]
+        sent = crc32_combine(sent, value, length)
+    return [done[n][0] for n in range(1, count + 1)], sent
 
 
 def check_object(url: str, *, size: int, crc: int) -> None:
@@ -147,13 +326,16 @@ def check_object(url: str, *, size: int, crc: int) -> None:
 
 
 @contextlib.contextmanager
-def staged_write(url: str) -> Iterator[Path]:
+def staged_write(url: str, checked: list[str] | None = None) -> Iterator[Path]:
     """A local path to write; when the block ends without error, it is uploaded to ``url`` and
-    read back (:func:`upload_verified`). On error nothing is uploaded."""
+    checked (:func:`upload_verified`; which check ran is appended to ``checked``). On error
+    nothing is uploaded."""
     filesystem(url)  # a missing extra fails before anything is written
     with staging(url) as local, naming(local, url):
         yield local
-        upload_verified(local, url)
+        how = upload_verified(local, url)
+        if checked is not None:
+            checked.append(how)
 
 
 def write_small(url: str, data: bytes) -> None:

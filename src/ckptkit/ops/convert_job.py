@@ -266,5 +266,6 @@ def staged_convert(
     with src.reading() as source, dst.writing() as dest:
         report = convert(source, dest, **options)  # an upload runs as the block ends, before the report returns
     report.notes = [dst.spell(src.spell(n, source), dest) for n in report.notes]
+    report.notes += [f"{dst.spelled}: uploaded and committed, checked by {how}" for how in dst.checked]
     report.source, report.destination = src.spell(report.source, source), dst.spell(report.destination, dest)
     return report
