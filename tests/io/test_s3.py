@@ -626,35 +626,48 @@ def test_a_store_without_checksums_is_read_back_and_the_report_says_so(
     assert [m for m, _ in made].count("get_object") >= 3  # the whole object, part by part
 
 
+@pytest.mark.parametrize("method", ["upload_part", "get_object"])
 def test_parts_go_several_at_once_and_no_more_than_asked(
-    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
     import asyncio
 
+    url = f"{prefix}/w.pt"
+    if method == "get_object":
+        ckptkit.save_on_master(_state(), url)
     monkeypatch.setenv("CKPTKIT_S3_PARTS", "2")
     started: set[int] = set()
     now = [0, 0]  # in flight, most at once
     call = s3fs.core.S3FileSystem._call_s3
 
-    async def counting(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method != "upload_part":
-            return await call(self, method, *args, **kwargs)
-        started.add(kwargs["PartNumber"])
+    def part(kwargs: dict[str, Any]) -> int | None:  # 1, 2, 3: which part a call moves
+        if method == "upload_part":
+            return int(kwargs["PartNumber"])
+        start = kwargs.get("Range", "").removeprefix("bytes=").partition("-")[0]
+        return int(start) // (5 << 20) + 1 if start.isdigit() else None
+
+    async def counting(self: Any, called: str, *args: Any, **kwargs: Any) -> Any:
+        n = part(kwargs) if called == method else None
+        if n is None:
+            return await call(self, called, *args, **kwargs)
+        started.add(n)
         now[0] += 1
         now[1] = max(now)
         for _ in range(3000):  # part 1 waits for part 2 to start: it does only if two go at once
-            if kwargs["PartNumber"] != 1 or 2 in started:
+            if n != 1 or 2 in started:
                 break
             await asyncio.sleep(0.01)
         try:
-            return await call(self, method, *args, **kwargs)
+            return await call(self, called, *args, **kwargs)
         finally:
             now[0] -= 1
 
     monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", counting)
-    ckptkit.save_on_master(_state(), f"{prefix}/w.pt")
+    if method == "upload_part":
+        ckptkit.save_on_master(_state(), url)
+    got = ckptkit.read_checkpoint(url)
     assert started == {1, 2, 3} and now[1] == 2, (started, now)
-    assert _equal(ckptkit.read_checkpoint(f"{prefix}/w.pt"), _state())
+    assert _equal(got, _state())
 
 
 def test_a_bad_parts_setting_is_one_line(prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -662,5 +675,5 @@ def test_a_bad_parts_setting_is_one_line(prefix: str, tmp_path: Path, monkeypatc
     torch.save(_state(), tmp_path / "ddp.pt")
     code, _, err = run("convert", tmp_path / "ddp.pt", f"{prefix}/out.pt")
     assert code == 2 and lines(err) == [
-        "ckptkit: error: CKPTKIT_S3_PARTS='many': expected a positive integer (parts uploaded at once)"
+        "ckptkit: error: CKPTKIT_S3_PARTS='many': expected a positive integer (parts sent or fetched at once)"
     ], err

@@ -19,14 +19,15 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import (
     ArgumentError,
@@ -36,9 +37,13 @@ from ..errors import (
     StorageError,
 )
 from .atomic import remove_stale_temps, temp_path
+from .crcmath import crc32_combine
 from .fileio import crc32
 
+T = TypeVar("T")
+
 PART_SIZE = 32 << 20  # one upload part, one ranged GET: what is held in memory (S3's parts are 5 MiB at least)
+PARTS_IN_FLIGHT = 4  # parts sent or fetched at once (CKPTKIT_S3_PARTS): memory holds this many parts
 
 CRC_KEY = "ckptkit-crc32"  # user metadata on objects ckptkit writes: the CRC-32 a later read is held against
 _SMALL = 1 << 16  # the most a pointer object may hold
@@ -157,10 +162,52 @@ def protocols(fs: Any) -> tuple[str, ...]:
     return (p,) if isinstance(p, str) else tuple(p)
 
 
+def parts_in_flight() -> int:
+    """How many parts an upload sends, or a download fetches, at once: ``$CKPTKIT_S3_PARTS``, else
+    :data:`PARTS_IN_FLIGHT`. Memory holds that many parts (of :data:`PART_SIZE` each) at most.
+
+    Raises:
+        ArgumentError: the variable is set to something other than a positive integer.
+    """
+    given = os.environ.get("CKPTKIT_S3_PARTS", "")
+    if not given:
+        return PARTS_IN_FLIGHT
+    if not given.isdigit() or int(given) < 1:
+        raise ArgumentError(f"CKPTKIT_S3_PARTS={given!r}: expected a positive integer (parts sent or fetched at once)")
+    return int(given)
+
+
+def in_flight(work: Callable[[int], T], count: int) -> list[T]:
+    """``work(i)`` for i in 0..count-1, :func:`parts_in_flight` at a time on threads; the results
+    in order. The first failure (or an interrupt) cancels what has not started and is raised once
+    the running ones end."""
+    results: dict[int, T] = {}
+    n = parts_in_flight()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckptkit-part") as pool:
+        pending: dict[concurrent.futures.Future[T], int] = {}
+        todo = iter(range(count))
+        try:
+            while True:
+                while len(pending) < n and (i := next(todo, None)) is not None:
+                    pending[pool.submit(work, i)] = i
+                if not pending:
+                    break
+                finished, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    results[pending.pop(future)] = future.result()
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    return [results[i] for i in range(count)]
+
+
 def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
-    """CRC-32 of the object's ``size`` bytes, read in ranged GETs of a part each (into ``sink``)."""
-    value = 0
-    for at in range(0, size, PART_SIZE):
+    """CRC-32 of the object's ``size`` bytes, read in ranged GETs of a part each, several at once
+    (:func:`in_flight`), each written into the file ``sink`` at its offset (None: only counted)."""
+
+    def fetch(i: int) -> tuple[int, int]:
+        at = i * PART_SIZE
         end = min(at + PART_SIZE, size)
         try:
             data = fs.cat_file(key, start=at, end=end)
@@ -176,9 +223,15 @@ def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
             raise StorageError(
                 f"{url}: asked for bytes {at}-{end}, got {len(data)}: the object changed while it was read; read it again"
             )
-        value = crc32(data, value)
         if sink is not None:
-            sink.write(data)
+            view = memoryview(data)
+            while view:  # pwrite may write less than asked
+                view = view[os.pwrite(sink.fileno(), view, at + len(data) - len(view)) :]
+        return crc32(data), len(data)
+
+    value = 0
+    for crc, length in in_flight(fetch, -(-size // PART_SIZE)):
+        value = crc32_combine(value, crc, length)
     return value
 
 

@@ -16,20 +16,20 @@ Example:
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentError, CheckpointWriteError, CkptkitError
+from ..errors import CheckpointWriteError, CkptkitError
 from . import remote
 from .crcmath import crc32_combine
 from .fileio import crc32
 from .remote import (
     CRC_KEY,
     filesystem,
+    in_flight,
     naming,
     object_info,
     one_line,
@@ -41,7 +41,6 @@ from .remote import (
 )
 
 _MAX_PARTS = 9000  # S3 allows 10,000 parts: beyond PART_SIZE * this, parts grow
-PARTS_IN_FLIGHT = 4  # parts an upload sends at once (CKPTKIT_S3_PARTS): memory holds this many parts
 STORE_CHECK = "the store's CRC-32 of the whole object"
 READ_BACK = "reading the object back"
 
@@ -190,21 +189,6 @@ def _echoed(response: Mapping[str, Any]) -> int | None:
     return int.from_bytes(raw, "big") if len(raw) == 4 else None
 
 
-def parts_in_flight() -> int:
-    """How many parts an upload sends at once: ``$CKPTKIT_S3_PARTS``, else :data:`PARTS_IN_FLIGHT`.
-    Memory holds that many parts (of ``remote.PART_SIZE`` each) at most.
-
-    Raises:
-        ArgumentError: the variable is set to something other than a positive integer.
-    """
-    given = os.environ.get("CKPTKIT_S3_PARTS", "")
-    if not given:
-        return PARTS_IN_FLIGHT
-    if not given.isdigit() or int(given) < 1:
-        raise ArgumentError(f"CKPTKIT_S3_PARTS={given!r}: expected a positive integer (parts uploaded at once)")
-    return int(given)
-
-
 def _s3_upload(fs: Any, key: str, local: Path, *, size: int, crc: int, part: int) -> int | None:
     """One PUT, or a multipart upload whose parts go several at once, each with its CRC-32 for the
     store to check, completed with the whole object's CRC-32 (``ChecksumType=FULL_OBJECT``), so a
@@ -263,43 +247,21 @@ def _refused_checksum(e: BaseException) -> bool:
 def _send_parts(
     fs: Any, fd: int, upload: Mapping[str, str], *, size: int, part: int, checked: bool
 ) -> tuple[list[dict[str, Any]], int]:
-    """Upload ``fd``'s bytes as parts of ``part`` bytes, :func:`parts_in_flight` at a time; returns
-    the parts as CompleteMultipartUpload lists them, and the CRC-32 of the bytes sent."""
-    count = -(-size // part)
-    done: dict[int, tuple[dict[str, Any], int, int]] = {}
+    """Upload ``fd``'s bytes as parts of ``part`` bytes, several at once (:func:`~.remote.in_flight`);
+    returns the parts as CompleteMultipartUpload lists them, and the CRC-32 of the bytes sent."""
 
-    def send(number: int) -> tuple[int, dict[str, Any], int, int]:
-        data = os.pread(fd, part, (number - 1) * part)
+    def send(i: int) -> tuple[dict[str, Any], int, int]:
+        data = os.pread(fd, part, i * part)
         value = crc32(data)
         extra = {"ChecksumCRC32": _b64(value)} if checked else {}
-        r = s3_call(fs, "upload_part", **upload, PartNumber=number, Body=data, **extra)
-        listed = {"PartNumber": number, "ETag": r["ETag"], **extra}
-        return number, listed, value, len(data)
+        r = s3_call(fs, "upload_part", **upload, PartNumber=i + 1, Body=data, **extra)
+        return {"PartNumber": i + 1, "ETag": r["ETag"], **extra}, value, len(data)
 
-    with concurrent.futures.ThreadPoolExecutor(
-        max_workers=parts_in_flight(), thread_name_prefix="ckptkit-part"
-    ) as pool:
-        pending: set[concurrent.futures.Future[tuple[int, dict[str, Any], int, int]]] = set()
-        numbers = iter(range(1, count + 1))
-        try:
-            while True:
-                while len(pending) < parts_in_flight() and (n := next(numbers, None)) is not None:
-                    pending.add(pool.submit(send, n))
-                if not pending:
-                    break
-                finished, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in finished:
-                    number, listed, value, length = future.result()  # a part's failure fails the upload
-                    done[number] = (listed, value, length)
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
-    sent = 0
-    for number in range(1, count + 1):
-        listed, value, length = done[number]
-        sent = crc32_combine(sent, value, length)
-    return [done[n][0] for n in range(1, count + 1)], sent
+    sent = in_flight(send, -(-size // part))
+    value = 0
+    for _, crc, length in sent:
+        value = crc32_combine(value, crc, length)
+    return [listed for listed, _, _ in sent], value
 
 
 def check_object(url: str, *, size: int, crc: int) -> None:
