@@ -4,10 +4,10 @@
     python benchmarks/bench_s3.py --gib 0.25 --runs 5
 
 Against a local S3 server (moto, started here on 127.0.0.1), so the figures compare the
-client side (staging, CRC-32s, read-back) with s3fs's plain transfer, not a network. ckptkit's
-convert does more than the transfer: s3 -> local downloads to a staging file, then converts it
-(every tensor byte CRC-checked, fsynced); local -> s3 converts into a staging file, uploads it
-part by part and reads the object back. s3fs's ``get_file``/``put_file`` move the bytes
+client side (staging, CRC-32s, the commit check) with s3fs's plain transfer, not a network.
+ckptkit's convert does more than the transfer: s3 -> local downloads to a staging file, then
+converts it (every tensor byte CRC-checked, fsynced); local -> s3 converts into a staging file,
+uploads it in parts and checks the store's CRC-32 of the object. s3fs's ``get_file``/``put_file`` move the bytes
 with its defaults (50 MiB parts, up to 10 at once). Each command is a whole process; the
 commands are interleaved, min/median/max reported, with peak ``RssAnon`` (private memory).
 Needs ``pip install 'ckptkit[s3]' moto``.

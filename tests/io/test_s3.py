@@ -393,13 +393,49 @@ def test_a_store_without_credentials_is_one_line_naming_them(s3_endpoint: str, t
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_a_url_ending_in_a_slash_is_refused_as_a_folder(tmp_path: Path) -> None:
-    """A trailing / asks for a folder, which ckptkit does not write to a store: refused before
-    anything is read (memory://, fsspec's own store, needs no server)."""
-    src = tmp_path / "m.pt"
-    torch.save({"w": torch.ones(2)}, src)
-    with pytest.raises(ckptkit.errors.ArgumentError, match="writes single objects to URLs, not folders"):
-        ckptkit.convert_checkpoint(src, "memory://bucket/out.safetensors/", force=True)
+# Was: refused ("ckptkit writes single objects to URLs, not folders").
+@pytest.mark.parametrize(
+    ("options", "published"),
+    [({"max_shard_size": "5MB"}, "model.safetensors.index.json"), ({"format": "dcp"}, ".metadata")],
+    ids=["hf_shards", "dcp"],
+)
+def test_a_folder_output_round_trips_through_a_prefix_its_index_last(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, str], published: str
+) -> None:
+    torch.save(_state(), tmp_path / "ddp.pt")
+    made = _calls(monkeypatch)
+    report = ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out/", **options)
+    names = (
+        ckptkit.io.remote.list_names(f"{prefix}/out")
+        if False
+        else sorted(n.rsplit("/", 1)[-1] for n in _fs().ls(f"{prefix}/out"))
+    )
+    assert published in names and len(names) >= 2, names
+    keys = [k["Key"].rsplit("/", 1)[-1] for m, k in made if m in ("put_object", "create_multipart_upload")]
+    assert keys[-1] == published and sorted(keys) == names, keys  # every file once, the index last
+    said = [n for n in report.notes if n.startswith(f"{prefix}/out/: ")]
+    assert sum(int(n.split(": ")[1].split(" ")[0]) for n in said) == len(names), report.notes  # each file, by its check
+    want = {k.removeprefix("module."): v for k, v in _state().items()}
+    assert _equal(ckptkit.read_checkpoint(f"{prefix}/out"), want)  # a prefix reads as its folder
+    code, out, err = run("convert", f"{prefix}/out", tmp_path / "back.safetensors")
+    assert code == 0, err
+    assert _equal(ckptkit.read_checkpoint(tmp_path / "back.safetensors"), want)
+    code, _, err = run("convert", tmp_path / "ddp.pt", f"{prefix}/out/", "--max-shard-size", "5MB")
+    assert code == 2 and lines(err) == [f"ckptkit: error: {prefix}/out/ holds objects; pass --force to replace it"]
+
+
+def test_a_folder_whose_shard_fails_to_upload_publishes_no_index(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.save(_state(), tmp_path / "ddp.pt")
+    ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out/", max_shard_size="5MB")
+    _fail_part(monkeypatch, 2)  # the first shard of more than one part fails
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="injected"):
+        ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out/", max_shard_size="5MB", to="ddp", force=True)
+    names = [n.rsplit("/", 1)[-1] for n in _fs().ls(f"{prefix}/out")]
+    assert "model.safetensors.index.json" not in names, names  # the old one went first; no new one was written
+    with pytest.raises(ckptkit.errors.CkptkitError):
+        ckptkit.read_checkpoint(f"{prefix}/out")
 
 
 # -- one writer per folder in a store: conditional PUTs on the writer record --------------------

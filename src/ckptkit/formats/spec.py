@@ -204,6 +204,8 @@ class CheckpointFormat:
         tensors_only: it holds tensors only: anything beside the weights needs ``model_only``.
         keeps_metadata: its outputs carry the source's safetensors metadata
             (:meth:`View.output_metadata`).
+        published_by: for a folder format, whether a file of that name is what makes the folder
+            readable (its index, DCP's ``.metadata``): copied last, once every other file is in place.
         scan_globals: one pickle whose globals can be listed, and tried with torch's weights-only
             unpickler (torch's own formats).
         partial: raises where a path of this format is one part of a checkpoint given alone.
@@ -226,6 +228,7 @@ class CheckpointFormat:
     trust_matters: bool = True
     tensors_only: bool = False
     keeps_metadata: bool = False
+    published_by: Callable[[str], bool] = field(default=lambda name: False, repr=False)
     scan_globals: bool = False
     partial: Callable[[Path], None] | None = field(default=None, repr=False)
     module_name: Callable[[str | os.PathLike[str]], str] | None = field(default=None, repr=False)

@@ -306,13 +306,22 @@ def naming(local: Path, url: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def staged_read(url: str) -> Iterator[Path]:
-    """The object at ``url`` as a local file, for the block's length.
+    """The object at ``url`` as a local file, for the block's length; a prefix with objects under
+    it (a folder written to the store) as a local folder of them.
 
     Raises:
         CheckpointNotFoundError, StorageError, CheckpointFormatError: as :func:`download`.
     """
     with staging(url) as local, naming(local, url):
-        download(url, local)
+        fs, key = filesystem(url)
+        info = _info(fs, key, url)
+        names = list_names(url) if info is None or info.get("type") != "file" else []
+        if names:  # a prefix: a folder's files (Hugging Face shards, DCP), each copied and checked
+            local.mkdir()
+            for name in names:
+                download(join(url, name), local / name)
+        else:
+            download(url, local)
         yield local
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -44,7 +44,6 @@ class Local:
     """A path on this machine."""
 
     remote = False
-    holds_folders = True
     checked: list[str] = []  # noqa: RUF012 - never appended to: a local file is checked by its writer
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -71,6 +70,12 @@ class Local:
     def writing(self) -> Iterator[str]:
         """A local path to write (atomically, by the writer): the path itself."""
         yield self.spelled
+
+    @contextlib.contextmanager
+    def writing_folder(self, *, published_by: Callable[[str], bool]) -> Iterator[str]:
+        """A local path for a folder output (its writer publishes it atomically): the path itself,
+        as given (a trailing / kept)."""
+        yield self.given
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[str]:
@@ -160,7 +165,6 @@ class Remote:
     files (:mod:`.remote`, :mod:`.upload`)."""
 
     remote = True
-    holds_folders = False  # ckptkit writes single objects to a store, not folders
 
     def __init__(self, url: str) -> None:
         self.given = url  # as written: a trailing / asks for a folder
@@ -201,6 +205,15 @@ class Remote:
         (by the store's CRC-32 of the object, or by reading it back: said in :attr:`checked`)."""
         with upload.staged_write(self.spelled, self.checked) as local:
             yield os.fspath(local)
+
+    @contextlib.contextmanager
+    def writing_folder(self, *, published_by: Callable[[str], bool]) -> Iterator[str]:
+        """A local staging folder to write a folder output into (its path ends with /); when the
+        block ends without error, its files are uploaded under this prefix, those ``published_by``
+        names (the index, ``.metadata``) last (:func:`~.upload.upload_folder`)."""
+        with remote.staging(self.spelled) as local, remote.naming(local, self.spelled):
+            yield f"{local}/"
+            self.checked += upload.upload_folder(local, self.spelled, published_by=published_by)
 
     def spell(self, text: str, local: str) -> str:
         return remote.unstaged(text, Path(local), self.spelled)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +298,23 @@ def staged_write(url: str, checked: list[str] | None = None) -> Iterator[Path]:
         how = upload_verified(local, url)
         if checked is not None:
             checked.append(how)
+
+
+def upload_folder(local: Path, url: str, *, published_by: Callable[[str], bool]) -> list[str]:
+    """Upload each file of the folder ``local`` under the prefix ``url`` (:func:`upload_verified`),
+    the files ``published_by`` names (an index, DCP's ``.metadata``) last, once every other file is
+    committed and checked; a reader never finds one naming a file that is missing or partial. An
+    earlier such file under ``url`` is removed first, so the files it named are never seen changing
+    under it. Returns the check each upload passed.
+
+    Raises:
+        CheckpointWriteError: as :func:`upload_verified`; the published files are then not written.
+    """
+    names = sorted((p.name for p in local.iterdir() if p.is_file()), key=lambda n: (published_by(n), n))
+    for old in remote.list_names(url):
+        if published_by(old):
+            remote.delete(remote.join(url, old))
+    return [upload_verified(local / name, remote.join(url, name)) for name in names]
 
 
 def write_small(url: str, data: bytes) -> None:

@@ -120,10 +120,12 @@ def convert_checkpoint(
     dtypes, bits and ties), copied from the ranks' partitions, each byte checked against its CRC-32.
 
     Args:
-        src: an object's URL (``s3://bucket/key.pt``, staged through a local file), or a torch zip or legacy file, safetensors file, DCP folder, Hugging Face shards (their
+        src: an object's URL (``s3://bucket/key.pt``, staged through a local file; a prefix holding
+            a folder's files, staged as that folder), or a torch zip or legacy file, safetensors file, DCP folder, Hugging Face shards (their
             folder or ``*.index.json``), or a DeepSpeed ZeRO folder (holding ``latest``, or ``global_stepN/``).
-        dst: output path (or an object's URL, ``s3://bucket/key.pt``: written locally, uploaded
-            whole and read back; folders are not written to URLs); ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
+        dst: output path (or an object's URL, ``s3://bucket/key.pt``: written locally, uploaded in
+            parts and checked; a folder output to a URL, ``s3://bucket/hf/``, has each file so
+            uploaded under that prefix, its index or ``.metadata`` last); ``.safetensors`` writes safetensors, ``.pt .pth .bin .ckpt .tar`` torch
             zip (suffixes in any case). A path ending in ``/``, an existing folder, or any
             ``max_shard_size`` writes a folder of Hugging Face safetensors shards instead, as
             ``huggingface_hub.save_torch_state_dict`` does; it appears complete or not at all.

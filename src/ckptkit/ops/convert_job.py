@@ -9,14 +9,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import ArgumentError, spell, summarize
+from ..formats import registry
 from ..formats.cast import Cast
 from ..formats.entry import Entry
+from ..formats.hf.detect import HF
 from ..formats.hf.index import shard_note
 from ..formats.hf.write import Written
 from ..formats.integrity import Damage, check_written
@@ -247,25 +250,37 @@ def fast_cast(view: View, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str,
 def staged_convert(
     src: Location, dst: Location, convert: Callable[..., ConvertReport], **options: Any
 ) -> ConvertReport:
-    """``convert`` on local files: a URL's object staged in a local file; an output to a URL written
-    and checked locally, then uploaded (whole or not at all: a failed upload leaves the previous
-    object) and read back. Folder outputs (Hugging Face shards, DCP) to a store without folders
-    are refused before anything is read."""
-    if not dst.holds_folders:
+    """``convert`` on local files: a URL's object (or a prefix's folder of objects) staged locally;
+    an output to a URL written and checked locally, then uploaded (whole or not at all: a failed
+    upload leaves the previous object) and checked, a folder's files each so, its index (or
+    ``.metadata``) last."""
+    folder = dst.given.endswith("/") or options.get("max_shard_size") is not None or options.get("format") is not None
+    if dst.remote:
         url = dst.spelled
-        if dst.given.endswith("/") or options.get("max_shard_size") is not None or options.get("format") is not None:
-            raise ArgumentError(
-                f"{url}: ckptkit writes single objects to URLs, not folders (Hugging Face shards, DCP); write the folder "
-                f"to a local path and copy it (e.g. `aws s3 cp --recursive`), or name one object, e.g. {url.rstrip('/')}/model.safetensors"
-            )
-        format_for(dst.name, default=None)  # an unknown suffix fails before anything is read
+        if not folder:
+            format_for(dst.name, default=None)  # an unknown suffix fails before anything is read
         if src.spelled == url:
             raise ArgumentError(f"{url} is the source; write the result to another path (SRC is never modified)")
-        if not options.get("force") and dst.is_file():
-            raise ArgumentError(f"{url} exists; pass {spell('force=True', '--force')} to replace it")
-    with src.reading() as source, dst.writing() as dest:
+        there = dst.names() if folder else dst.is_file()
+        if not options.get("force") and there:
+            what = f"{url}/ holds objects" if folder else f"{url} exists"
+            raise ArgumentError(f"{what}; pass {spell('force=True', '--force')} to replace it")
+    out = registry.get(options.get("format") or HF) if folder else None
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(src.reading())
+        if out is not None:
+            dest = stack.enter_context(dst.writing_folder(published_by=out.published_by))
+        else:
+            dest = stack.enter_context(dst.writing())
         report = convert(source, dest, **options)  # an upload runs as the block ends, before the report returns
     report.notes = [dst.spell(src.spell(n, source), dest) for n in report.notes]
-    report.notes += [f"{dst.spelled}: uploaded and committed, checked by {how}" for how in dst.checked]
     report.source, report.destination = src.spell(report.source, source), dst.spell(report.destination, dest)
+    for how in dict.fromkeys(dst.checked):  # one line per check, a folder's files counted
+        n = dst.checked.count(how)
+        what = (
+            f"{dst.spelled}/: {n} file(s) uploaded and committed, its index (or .metadata) last"
+            if out
+            else f"{dst.spelled}: uploaded and committed"
+        )
+        report.notes.append(f"{what}, checked by {how}")
     return report

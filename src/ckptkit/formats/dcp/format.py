@@ -7,7 +7,7 @@ from typing import Any
 
 from ..spec import CheckpointFormat, View
 from .check import dcp_checks
-from .detect import SIGNATURE, is_dcp_file
+from .detect import DCP_METADATA, SIGNATURE, is_dcp_file
 from .stream import open_dcp
 
 
@@ -22,5 +22,6 @@ DCP_FORMAT = CheckpointFormat(
     open=_open,
     folder=True,  # written by DCP's own writer (its torch half): no torch-free writer
     owns=(is_dcp_file, "DCP files"),
+    published_by=lambda name: name == DCP_METADATA,
     written_by="DCP output: written by torch.distributed.checkpoint",
 )

@@ -49,5 +49,6 @@ HF_FORMAT = CheckpointFormat(
     folder=True,
     tensors_only=True,
     keeps_metadata=True,
+    published_by=lambda name: name.endswith(".index.json"),
     producer=producer,
 )
