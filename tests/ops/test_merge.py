@@ -135,7 +135,7 @@ def test_the_cli_merges_and_says_so(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["orig_mod_keys", "zero_lora_b", "rank0_slice", "no_config", "dora"],
+    ["orig_mod_keys", "zero_lora_b", "rank0_slice", "no_config", "dora", "alora", "mica", "bad_rank_pattern"],
 )
 def test_an_adapter_that_would_not_apply_is_refused_and_nothing_is_written(tmp_path: Path, case: str) -> None:
     edits = {
@@ -146,14 +146,42 @@ def test_an_adapter_that_would_not_apply_is_refused_and_nothing_is_written(tmp_p
     adapter = broken(tmp_path, edits.get(case, lambda sd: sd))
     if case == "no_config":
         (adapter / "adapter_config.json").unlink()
-    if case == "dora":
+    edit = {
+        "dora": {"use_dora": True},
+        "alora": {"alora_invocation_tokens": [1, 2]},
+        "mica": {"init_lora_weights": "mica"},
+        "bad_rank_pattern": {"rank_pattern": {"q_proj[": 2}},
+    }
+    if case in edit:
         config = json.loads((adapter / "adapter_config.json").read_text())
-        (adapter / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+        (adapter / "adapter_config.json").write_text(json.dumps(config | edit[case]))
     out = tmp_path / "merged.safetensors"
-    error = {"no_config": ValueError, "dora": UnsupportedCheckpointError}.get(case, StateDictMismatchError)
+    unsupported = {
+        "dora": UnsupportedCheckpointError,
+        "alora": UnsupportedCheckpointError,
+        "mica": UnsupportedCheckpointError,
+    }
+    error = {"no_config": ValueError, "bad_rank_pattern": ValueError, **unsupported}.get(case, StateDictMismatchError)
     with pytest.raises(error) as e:
         ckptkit.convert_checkpoint(BASE, out, merge_adapter=adapter)
     assert not out.exists() and str(adapter) in str(e.value), e.value
     code, _, err = run("convert", BASE, out, "--merge-adapter", adapter)
     assert code != 0 and not out.exists() and "Traceback" not in err, err
     assert err.count("\n") == 1, err  # one line
+
+
+# Was: fan_in_fan_out was taken from adapter_config.json; PEFT sets it by the module's type (False for
+# a Linear, True for a Conv1D), so a Linear adapter saved with fan_in_fan_out=true merged transposed.
+def test_fan_in_fan_out_follows_the_modules_type_not_the_config(tmp_path: Path) -> None:
+    adapter = broken(tmp_path, lambda sd: sd)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(config | {"fan_in_fan_out": True}))
+    report = ckptkit.convert_checkpoint(BASE, tmp_path / "merged.safetensors", merge_adapter=adapter)
+    assert_same(load_file(tmp_path / "merged.safetensors"), peft_merged(BASE, adapter), report.merged)
+
+
+def test_an_adapter_url_is_refused_in_one_line(tmp_path: Path) -> None:
+    code, _, err = run("convert", BASE, tmp_path / "m.safetensors", "--merge-adapter", "s3://bucket/lora")
+    assert code == 2 and err.startswith(
+        "ckptkit: error: s3://bucket/lora: the adapter to merge is read from a local folder"
+    )

@@ -140,8 +140,9 @@ def read_adapter(
             ranks[m["module"]] = got[0]
         if want is None or len(want) != 2 or len(got) != 2:
             continue
+        # PEFT takes a Linear's weight as [out, in] and a Conv1D's as [in, out], whatever fan_in_fan_out says.
         out_f, in_f = (want[1], want[0]) if fan_in_fan_out else (want[0], want[1])
-        fits = got[1] == in_f if m["ab"] == "A" else got[0] == out_f
+        fits = (got[1] if m["ab"] == "A" else got[0]) in (want[0], want[1])
         if not fits:
             side = f"in_features {in_f}" if m["ab"] == "A" else f"out_features {out_f}"
             report.shapes.append(f"{k}: {got}, but its base module has {side} (base weight {want})")
@@ -182,7 +183,7 @@ def per_module(config: Mapping[str, Any], pattern: str, name: str, module: str) 
     table = config.get(pattern)
     if isinstance(table, Mapping):
         for key, value in table.items():
-            if re.match(rf"(.*\.)?({key})$", module):
+            if re.match(rf"(.*\.)?({key})$", module):  # each key compiles: _config checked it
                 return value
     return config.get(name)
 
@@ -211,8 +212,24 @@ def _fix(adapter: Path, keys: list[str], base: Mapping[str, Any]) -> str:
 
 
 def _config(adapter: Path) -> dict[str, Any]:
-    found = small_json((adapter if adapter.is_dir() else adapter.parent) / CONFIG, limit=_MAX_CONFIG)
-    return found if isinstance(found, dict) else {}
+    """The adapter's ``adapter_config.json`` ({} where there is none); its patterns must be regexes.
+
+    Raises:
+        ArgumentError: a ``rank_pattern`` / ``alpha_pattern`` key that is no regular expression.
+    """
+    path = (adapter if adapter.is_dir() else adapter.parent) / CONFIG
+    found = small_json(path, limit=_MAX_CONFIG)
+    config = found if isinstance(found, dict) else {}
+    for pattern in ("rank_pattern", "alpha_pattern"):
+        table = config.get(pattern)
+        for key in table if isinstance(table, Mapping) else ():
+            try:
+                re.compile(rf"(.*\.)?({key})$")
+            except re.error as e:
+                raise ArgumentError(
+                    f"{path}: {pattern} key {key!r} is not a regular expression PEFT can match ({e}); fix that key"
+                ) from None
+    return config
 
 
 def _untargeted(config: Mapping[str, Any], base: Mapping[str, Any], adapted: set[str]) -> tuple[list[str], list[str]]:

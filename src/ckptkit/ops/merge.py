@@ -26,17 +26,32 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ArgumentError, CheckpointFormatError, StateDictMismatchError, UnsupportedCheckpointError, summarize
 from ..formats.entry import Entry
 from ..formats.pickles.safety import AllowGlobals
-from ..io.fileio import Progress, crc32
+from ..io.fileio import Progress, crc32, small_json
 from ..prefix import rewrite_prefixes
 from .adapter import CONFIG, lora_key, per_module, read_adapter
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
-_UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases"}
+# What PEFT computes otherwise than W + scaling * B @ A (its LoRA variants, LoRA biases), by the
+# adapter_config.json key that asks for it: refused, naming it.
+_UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "lora_bias": "LoRA biases",
+    "velora_config": "VeLoRA",
+    "alora_invocation_tokens": "aLoRA",
+    "monteclora_config": "MonteCLoRA",
+    "use_bdlora": "BD-LoRA",
+    "arrow_config": "Arrow",
+    "kasa_config": "KaSA",
+}
+# transformers' models whose layers are Conv1D (weights stored [in, out]): PEFT merges their
+# adapters transposed whatever fan_in_fan_out says, and a Linear's never.
+_CONV1D_MODELS = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer"})
 
 
 @dataclass
@@ -90,6 +105,11 @@ class Merge:
             UnsupportedCheckpointError: the adapter holds what this merge does not compute.
             ArgumentError: no ``adapter_config.json`` beside it (its ``lora_alpha`` and ``r`` are needed).
         """
+        if "://" in os.fspath(adapter):
+            raise ArgumentError(
+                f"{os.fspath(adapter)}: the adapter to merge is read from a local folder; copy it there first "
+                "(e.g. `aws s3 cp --recursive`)"
+            )
         found = read_adapter(adapter, base, trust=trust, allow_globals=allow_globals)
         report, config = found.report, found.config
         if not report.ok:
@@ -111,12 +131,14 @@ class Merge:
                 f"{adapter}: no {CONFIG} beside the adapter; a merge needs its r and lora_alpha: put the "
                 f"{CONFIG} PEFT saved with it in the adapter's folder"
             )
-        for key, what in _UNSUPPORTED.items():
-            if config.get(key):
-                raise UnsupportedCheckpointError(
-                    f"{adapter}: {CONFIG} sets {key} ({what}), which ckptkit does not merge; merge it with PEFT's "
-                    "merge_and_unload()"
-                )
+        init = config.get("init_lora_weights")
+        asked = [f"{k} ({what})" for k, what in _UNSUPPORTED.items() if config.get(k)]
+        asked += [f"init_lora_weights={init!r} (MiCA)"] if isinstance(init, str) and init.startswith("mica") else []
+        if asked:
+            raise UnsupportedCheckpointError(
+                f"{adapter}: {CONFIG} sets {', '.join(asked)}, which ckptkit does not merge; merge it with PEFT's "
+                "merge_and_unload()"
+            )
         others = [k for k in found.tensors if lora_key(k) is None]
         if others:
             raise UnsupportedCheckpointError(
@@ -129,21 +151,27 @@ class Merge:
             m = lora_key(key)
             weight = found.base_key(key)
             assert m is not None and weight is not None  # report.ok: every key names a base weight
-            if tensor.dim() != 2 or len(found.base_shapes[weight]) != 2:
-                raise UnsupportedCheckpointError(
-                    f"{adapter}: {key} adapts {weight} of shape {found.base_shapes[weight]} with a "
-                    f"{list(tensor.shape)} factor: only Linear (2-D) adapters are merged; merge it with PEFT's "
-                    "merge_and_unload()"
-                )
             factors.setdefault(weight, {})[m["ab"]] = tensor
+        flat = [
+            f"{w} {found.base_shapes[w]}" for w, ab in factors.items()
+            if len(found.base_shapes[w]) != 2 or any(t.dim() != 2 for t in ab.values())
+        ]  # fmt: skip
+        if flat:
+            raise UnsupportedCheckpointError(
+                f"{adapter} adapts {len(flat)} weight(s) that are not 2-D or with factors that are not "
+                f"({summarize(flat, 2)}): only Linear and Conv1D adapters are merged; merge it with PEFT's merge_and_unload()"
+            )
+        if halves := [f"{w} (lora_{''.join(ab)} only)" for w, ab in factors.items() if set(ab) != {"A", "B"}]:
+            raise StateDictMismatchError(
+                f"{adapter}: {len(halves)} weight(s) with one LoRA factor and not its other half "
+                f"({summarize(halves, 2)}); nothing was written"
+            )
+        model_type = _model_type(base)
         loras = {}
         for weight, ab in factors.items():
-            if set(ab) != {"A", "B"}:
-                raise StateDictMismatchError(
-                    f"{adapter}: {weight} has lora_{''.join(ab)} but not its other half; nothing was written"
-                )
             module = weight.removesuffix(".weight")
-            loras[weight] = Lora(ab["A"], ab["B"], _scaling(config, module), config.get("fan_in_fan_out") is True)
+            transposed = _conv1d(weight, found.base_shapes[weight], ab["A"], ab["B"], model_type, config)
+            loras[weight] = Lora(ab["A"], ab["B"], _scaling(config, module), transposed)
         return cls(str(adapter), loras)
 
     def targets(self, names: list[str]) -> dict[str, Lora]:
@@ -168,6 +196,31 @@ class Merge:
         scalings = sorted({lo.scaling for lo in self.loras.values()})
         say = ", ".join(f"{s:g}" for s in scalings)
         return [f"merged {self.adapter} into {len(self.merged)} weight(s) (W + scaling · B @ A, scaling {say})"]
+
+
+def _model_type(base: str | os.PathLike[str]) -> str | None:
+    """The base's ``model_type``, from the ``config.json`` beside its weights (None: no such file)."""
+    folder = Path(base) if Path(base).is_dir() else Path(base).parent
+    found = small_json(folder / "config.json", limit=1_000_000)
+    kind = found.get("model_type") if isinstance(found, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _conv1d(weight: str, shape: list[int], a: Any, b: Any, model_type: str | None, config: Mapping[str, Any]) -> bool:
+    """Whether the base weight is stored [in, out] (a Conv1D, merged transposed), as PEFT decides it:
+    by the module's type, which the shapes give unless the weight is square; then by the base
+    model's type, else by ``fan_in_fan_out`` as the adapter's config says."""
+    linear = a.shape[1] == shape[1] and b.shape[0] == shape[0]
+    conv1d = a.shape[1] == shape[0] and b.shape[0] == shape[1]
+    if not (linear or conv1d):  # each factor fits the weight one way, not both the same way
+        raise StateDictMismatchError(
+            f"{weight}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not make a delta of its shape {shape}"
+        )
+    if linear != conv1d:
+        return conv1d
+    if model_type is not None:
+        return model_type in _CONV1D_MODELS
+    return config.get("fan_in_fan_out") is True
 
 
 def _scaling(config: Mapping[str, Any], module: str) -> float:
