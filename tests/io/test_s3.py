@@ -430,12 +430,39 @@ def test_a_folder_whose_shard_fails_to_upload_publishes_no_index(
     torch.save(_state(), tmp_path / "ddp.pt")
     ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out/", max_shard_size="5MB")
     _fail_part(monkeypatch, 2)  # the first shard of more than one part fails
-    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="injected"):
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="injected.*the folder is unpublished"):
         ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out/", max_shard_size="5MB", to="ddp", force=True)
     names = [n.rsplit("/", 1)[-1] for n in _fs().ls(f"{prefix}/out")]
     assert "model.safetensors.index.json" not in names, names  # the old one went first; no new one was written
     with pytest.raises(ckptkit.errors.CkptkitError):
         ckptkit.read_checkpoint(f"{prefix}/out")
+
+
+# Found in review: --force over a prefix left the earlier folder's files, and a later read returned them.
+@pytest.mark.parametrize("first", ["dcp", "more_shards"])
+def test_force_over_a_folder_prefix_leaves_only_the_new_folder(prefix: str, tmp_path: Path, first: str) -> None:
+    torch.save(_state(0), tmp_path / "old.pt")
+    torch.save(_state(1), tmp_path / "new.pt")
+    url = f"{prefix}/out/"
+    if first == "dcp":
+        ckptkit.convert_checkpoint(tmp_path / "old.pt", url, format="dcp")
+    else:
+        ckptkit.convert_checkpoint(tmp_path / "old.pt", url, max_shard_size="4MB")
+    _fs().pipe_file(f"{prefix}/out/notes.txt", b"mine")  # not a checkpoint file: left alone
+    before = {n.rsplit("/", 1)[-1] for n in _fs().ls(url)}
+    ckptkit.convert_checkpoint(tmp_path / "new.pt", url, max_shard_size="12MB", force=True)
+    after = {n.rsplit("/", 1)[-1] for n in _fs().ls(url)}
+    want = {k.removeprefix("module."): v for k, v in _state(1).items()}
+    assert _equal(ckptkit.read_checkpoint(f"{prefix}/out"), want)
+    assert "notes.txt" in after and ".metadata" not in after, after
+    assert not [n for n in after - before if not n.endswith((".safetensors", ".json"))], (before, after)
+    assert len([n for n in after if n.endswith(".safetensors")]) == 2, after  # the earlier shards removed
+
+
+def test_an_unknown_folder_format_is_a_usage_error_not_a_key_error(tmp_path: Path) -> None:
+    torch.save(_state(), tmp_path / "m.pt")
+    with pytest.raises(ckptkit.errors.ArgumentError, match="format must be"):
+        ckptkit.convert_checkpoint(tmp_path / "m.pt", f"{tmp_path}/out/", format="DCP")  # type: ignore[arg-type]
 
 
 # -- one writer per folder in a store: conditional PUTs on the writer record --------------------

@@ -19,7 +19,6 @@ from ..errors import ArgumentError, spell, summarize
 from ..formats import registry
 from ..formats.cast import Cast
 from ..formats.entry import Entry
-from ..formats.hf.detect import HF
 from ..formats.hf.index import shard_note
 from ..formats.hf.write import Written
 from ..formats.integrity import Damage, check_written
@@ -265,11 +264,11 @@ def staged_convert(
         if not options.get("force") and there:
             what = f"{url}/ holds objects" if folder else f"{url} exists"
             raise ArgumentError(f"{what}; pass {spell('force=True', '--force')} to replace it")
-    out = registry.get(options.get("format") or HF) if folder else None
     with contextlib.ExitStack() as stack:
         source = stack.enter_context(src.reading())
-        if out is not None:
-            dest = stack.enter_context(dst.writing_folder(published_by=out.published_by))
+        if folder:  # any folder format's index (or .metadata): an earlier one goes first, the new one last
+            published = lambda name: any(f.published_by(name) for f in registry.FORMATS.values())  # noqa: E731
+            dest = stack.enter_context(dst.writing_folder(published_by=published))
         else:
             dest = stack.enter_context(dst.writing())
         report = convert(source, dest, **options)  # an upload runs as the block ends, before the report returns
@@ -279,7 +278,7 @@ def staged_convert(
         n = dst.checked.count(how)
         what = (
             f"{dst.spelled}/: {n} file(s) uploaded and committed, its index (or .metadata) last"
-            if out
+            if folder
             else f"{dst.spelled}: uploaded and committed"
         )
         report.notes.append(f"{what}, checked by {how}")
