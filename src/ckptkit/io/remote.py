@@ -135,8 +135,9 @@ def object_info(fs: Any, key: str, url: str) -> dict[str, Any]:
         )
     if info.get("type") != "file":
         raise ArgumentError(
-            f"{url} is a prefix (a folder), not an object; ckptkit reads single objects from URLs: "
-            "copy a folder checkpoint to a local path first"
+            f"{url} is a prefix with no objects directly under it (a nested layout, such as DeepSpeed's "
+            "global_step folders); ckptkit reads an object, or a prefix holding a folder's files: copy this one "
+            "to a local path first"
         )
     return info
 
