@@ -102,7 +102,7 @@ SECTIONS = [
         "adapted weight and its delta at a time: the second table, at 4 GiB, shows its memory not growing with "
         "the base.",
         (
-            ("bench_merge.py", "--gib", "2", "--runs", "3", "--dir", "{disk}"),
+            ("bench_merge.py", "--gib", "2.1", "--runs", "3", "--dir", "{disk}"),
             ("bench_merge.py", "--gib", "4", "--runs", "1", "--only-memory", "--dir", "{disk}"),
         ),
     ),
