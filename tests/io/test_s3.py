@@ -459,6 +459,26 @@ def test_force_over_a_folder_prefix_leaves_only_the_new_folder(prefix: str, tmp_
     assert len([n for n in after if n.endswith(".safetensors")]) == 2, after  # the earlier shards removed
 
 
+# Found in review: a reader copying a prefix while a writer replaced its files could mix two folders.
+def test_a_prefix_that_changes_while_it_is_read_is_refused(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.save(_state(), tmp_path / "ddp.pt")
+    ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out/", max_shard_size="5MB")
+    done: list[str] = []
+
+    def writer(method: str, kwargs: dict[str, Any]) -> None:
+        if method == "get_object" and not done:  # a writer replaces a file while the reader copies
+            _client(s3_endpoint).put_object(
+                Bucket=BUCKET, Key=f"{_key(prefix)}/out/model.safetensors.index.json", Body=b"{}"
+            )
+            done.append(method)
+
+    _on_call(monkeypatch, writer)
+    with pytest.raises(ckptkit.errors.StorageError, match="changed while they were read"):
+        ckptkit.read_checkpoint(f"{prefix}/out")
+
+
 def test_an_unknown_folder_format_is_a_usage_error_not_a_key_error(tmp_path: Path) -> None:
     torch.save(_state(), tmp_path / "m.pt")
     with pytest.raises(ckptkit.errors.ArgumentError, match="format must be"):

@@ -316,11 +316,15 @@ def staged_read(url: str) -> Iterator[Path]:
     with staging(url) as local, naming(local, url):
         fs, key = filesystem(url)
         info = _info(fs, key, url)
-        names = list_names(url) if info is None or info.get("type") != "file" else []
-        if names:  # a prefix: a folder's files (Hugging Face shards, DCP), each copied and checked
+        listed = _listing(url) if info is None or info.get("type") != "file" else {}
+        if listed:  # a prefix: a folder's files (Hugging Face shards, DCP), each copied and checked
             local.mkdir()
-            for name in names:
+            for name in listed:
                 download(join(url, name), local / name)
+            if _listing(url) != listed:  # a writer replaced files meanwhile: the copy may mix two folders
+                raise StorageError(
+                    f"{url}/: its objects changed while they were read (a writer at work?); read it again"
+                )
         else:
             download(url, local)
         yield local
@@ -332,15 +336,24 @@ def join(url: str, name: str) -> str:
 
 def list_names(url: str) -> list[str]:
     """Names of the objects directly under the prefix ``url`` (uncompleted uploads are never listed)."""
+    return list(_listing(url))
+
+
+def _listing(url: str) -> dict[str, tuple[Any, Any]]:
+    """The objects directly under the prefix ``url``: name -> (size, ETag)."""
     fs, key = filesystem(url)
     try:
         fs.invalidate_cache(key)
         entries = fs.ls(key, detail=True)
     except FileNotFoundError:
-        return []
+        return {}
     except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
         raise StorageError(f"{url}: listing it failed ({e}); check the URL, credentials and network") from e
-    return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "file"]
+    return {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: (e.get("size"), e.get("ETag"))
+        for e in entries
+        if e.get("type") == "file"
+    }
 
 
 def delete(url: str) -> None:
