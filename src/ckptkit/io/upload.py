@@ -211,7 +211,7 @@ def _s3_upload(fs: Any, key: str, local: Path, *, size: int, crc: int, part: int
                     raise
                 s3_call(fs, "put_object", **put_object)
                 return None
-            return _echoed(put) if _echoed(put) is not None else _stored_crc(fs, bucket, path)
+            return echoed if (echoed := _echoed(put)) is not None else _stored_crc(fs, bucket, path)
         checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"}
         try:
             created = s3_call(fs, "create_multipart_upload", Bucket=bucket, Key=path, Metadata=meta, **checksum)
@@ -233,7 +233,7 @@ def _s3_upload(fs: Any, key: str, local: Path, *, size: int, crc: int, part: int
             raise
     if not checksum:
         return None
-    return _echoed(done) if _echoed(done) is not None else _stored_crc(fs, bucket, path)
+    return echoed if (echoed := _echoed(done)) is not None else _stored_crc(fs, bucket, path)
 
 
 def _stored_crc(fs: Any, bucket: str, path: str) -> int | None:

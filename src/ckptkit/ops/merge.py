@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ArgumentError, CheckpointFormatError, StateDictMismatchError, UnsupportedCheckpointError, summarize
-from ..formats.entry import Entry
+from ..formats.entry import Bytes, Entry
 from ..formats.pickles.safety import AllowGlobals
 from ..io.fileio import Progress, crc32, small_json
 from ..prefix import rewrite_prefixes
@@ -234,56 +235,27 @@ def _scaling(config: Mapping[str, Any], module: str) -> float:
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
-@dataclass(eq=False)
-class MergedEntry(Entry):
-    """``src`` with a LoRA merged in: read whole (its bytes checked as any copy checks them),
-    merged in place, written. Its bytes exist only once written, so no CRC-32 is known before."""
+def merged_entry(src: Entry, lora: Lora) -> Bytes:
+    """``src`` with a LoRA merged in: same dtype, shape and size, its bytes read whole (checked as
+    any copy checks them), merged in place and written. They exist only once written, so no CRC-32
+    is known before; its ident is its own (a tie to ``src`` is not one to the merged weight)."""
+    return Bytes(
+        src.dtype, src.shape, src.nbytes, functools.partial(_write_merged, src, lora), ident=("merged", src.ident)
+    )
 
-    src: Entry = field(repr=False)
-    lora: Lora = field(repr=False)
-    crc = None
-    zip = None
 
-    @property
-    def dtype(self) -> str:  # type: ignore[override]
-        return self.src.dtype
+def _write_merged(src: Entry, lora: Lora, f: BinaryIO, progress: Progress | None) -> int:
+    import torch
 
-    @property
-    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
-        return self.src.shape
-
-    @property
-    def nbytes(self) -> int:  # type: ignore[override]
-        return self.src.nbytes
-
-    @property
-    def ident(self) -> Any:  # type: ignore[override]
-        return ("merged", self.src.ident)
-
-    @property
-    def storage(self) -> Any:  # type: ignore[override]
-        return self.ident
-
-    @property
-    def storage_size(self) -> int:  # type: ignore[override]
-        return self.nbytes
-
-    @property
-    def complete(self) -> bool:  # type: ignore[override]
-        return True
-
-    def write(self, f: BinaryIO, progress: Progress | None = None) -> int:
-        import torch
-
-        buf = _Buffer(self.src.nbytes)
-        self.src.write(buf, progress)  # type: ignore[arg-type] # a file-like sink
-        if buf.at != len(buf.data):
-            raise CheckpointFormatError(f"internal error: {buf.at} of {len(buf.data)} bytes read to merge")
-        if buf.data:
-            weight = torch.frombuffer(buf.data, dtype=getattr(torch, self.dtype)).view(self.shape)
-            self.lora.merge_into(weight)  # in place, into buf
-        f.write(buf.data)
-        return crc32(buf.data)
+    buf = _Buffer(src.nbytes)
+    src.write(buf, progress)  # type: ignore[arg-type] # a file-like sink
+    if buf.at != len(buf.data):
+        raise CheckpointFormatError(f"internal error: {buf.at} of {len(buf.data)} bytes read to merge")
+    if buf.data:
+        weight = torch.frombuffer(buf.data, dtype=getattr(torch, src.dtype)).view(src.shape)
+        lora.merge_into(weight)  # in place, into buf
+    f.write(buf.data)
+    return crc32(buf.data)
 
 
 class _Buffer:
@@ -315,7 +287,7 @@ def _refuse(name: str, dtype: str, merge: Merge) -> None:
 
 def fast_merge(view: Any, merge: Merge) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """The weights with each one the adapter adapts wrapped to be merged as it is written
-    (:class:`MergedEntry`), the rest as they are."""
+    (:func:`merged_entry`), the rest as they are."""
 
     def run(state: Mapping[str, Any]) -> dict[str, Any]:
         targets = merge.targets(list(state))
@@ -323,7 +295,7 @@ def fast_merge(view: Any, merge: Merge) -> Callable[[Mapping[str, Any]], dict[st
         for name, lora in targets.items():
             e = view.entry(state[name], name) if view.is_leaf(state[name]) else state[name]
             _refuse(name, e.dtype, merge)
-            out[name] = MergedEntry(e, lora)
+            out[name] = merged_entry(e, lora)
             merge.merged.append(name)
         return out
 
