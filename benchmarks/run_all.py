@@ -84,6 +84,20 @@ SECTIONS = [
         (("bench_dcp.py", "--gib", "1", "--runs", "6", "--dir", "{disk}"),),
     ),
     Section(
+        "dcp-mesh",
+        "2-D parallel DCP (a 2x2 mesh)",
+        "The same model's weights saved by `dcp.save` of DTensors on a 2x2 gloo mesh (4 ranks), each matrix "
+        "sharded along both dims (`Shard(0), Shard(1)` and `Shard(1), Shard(0)`, as column- and row-parallel "
+        "layers are), vectors along dim 0: every matrix's chunks interleave row by row, so no chunk is a run of "
+        "the output's bytes and each must pass through memory, where FSDP2's copy above stays in the kernel. "
+        "ckptkit assembles them in bands of rows, each chunk's share of a band one read; torch's own "
+        "`dcp_to_torch_save` (the whole state dict in memory) runs in the same rounds.",
+        (
+            ("bench_dcp.py", "--gib", "1", "--runs", "3", "--mesh", "--naive", "--dir", "{disk}"),
+            ("bench_dcp.py", "--gib", "4", "--runs", "1", "--mesh", "--naive", "--dir", "{disk}"),
+        ),
+    ),
+    Section(
         "deepspeed",
         "DeepSpeed ZeRO-3 to plain weights",
         "A ZeRO-3 folder in DeepSpeed 0.19.8's exact layout (2 ranks of a bf16 run, Adam states included), written "

@@ -20,7 +20,7 @@ from ..pickles.scan import pickle_globals
 from ..source import NeedsTorch
 from ..torchzip.container import SliceReader, TorchZip
 from . import unsafe_metadata_globals
-from .meta import BytesEntry, Stored, TensorEntry, chunks_in_order, read_metadata
+from .meta import BytesEntry, Stored, TensorEntry, chunks_in_order
 from .stream import chunk_crc_check, open_dcp
 
 
@@ -28,19 +28,23 @@ def dcp_checks(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     """A DCP folder's checks: its ``.metadata`` globals, its entries and shards (read by ckptkit's
     own reader, the one convert copies through; torch's reader where a folder is laid out beyond
     it), and with ``full`` every chunk's CRC-32 where ckptkit's own reader can read them."""
-    unsafe = unsafe_metadata_globals(p)
+    try:  # ckptkit's own reader first: what it refuses (a planner_data index of 10**14), torch's must not see
+        src = open_dcp(p)
+    except (CheckpointFormatError, NeedsTorch) as e:  # UnsupportedGlobal is a CheckpointFormatError
+        src, failure = None, e
+    # Read whole, .metadata named DCP's classes only (its unpickler takes no other): else list every global
+    unsafe = unsafe_metadata_globals(p) if src is None else []
     detail = f".metadata {needs_text(unsafe, beyond='DCP')}" if unsafe else "DCP metadata classes only"
     checks = [Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))]
     if unsafe:
         return checks
-    try:  # ckptkit's own reader first: what it refuses (a planner_data index of 10**14), torch's must not see
-        src = open_dcp(p)
-    except CheckpointFormatError as e:
-        return [*checks, Check("metadata", "integrity", False, str(e))]
-    except (NeedsTorch, UnsupportedGlobal):
-        return checks + _torch_checks(p)  # laid out beyond the torch-free reader: torch's reader checks it
+    if src is None:
+        if isinstance(failure, (NeedsTorch, UnsupportedGlobal)):
+            return checks + _torch_checks(p)  # laid out beyond the torch-free reader: torch's reader checks it
+        return [*checks, Check("metadata", "integrity", False, str(failure))]
     try:
-        meta = read_metadata(p)
+        meta = src.meta
+        assert meta is not None  # open_dcp read it
         stored = [(e.fqn, c.stored) for e in meta.entries.values() if isinstance(e, TensorEntry) for c in e.chunks]
         blobs = [(e.fqn, e.stored) for e in meta.entries.values() if isinstance(e, BytesEntry)]
         checks.append(Check("metadata", "integrity", True, f"{len(meta.entries)} entries"))

@@ -30,14 +30,12 @@ Example:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import os
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError
 from ..dtypes import BY_NAME
@@ -403,15 +401,33 @@ def set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -
         raise NeedsTorch(f"planner_data path {list(path)} does not nest") from e
 
 
-def chunks_in_order(folder: Path, e: TensorEntry, *, unit: int = 1) -> tuple[list[Chunk], array[int] | None]:
+class Group(NamedTuple):
+    """``rows`` consecutive rows of a tensor, from row ``row`` on, each the same chunks' stretches
+    side by side: ``parts`` lists, left to right, ``(chunk index, first element, width)``: the
+    chunk's stretch of each row is ``width`` elements, the group's rows one after another in the
+    chunk from ``first element`` on."""
+
+    row: int
+    rows: int
+    parts: tuple[tuple[int, int, int], ...]
+
+
+class Tiling(NamedTuple):
+    """How chunks split along more than the first dim tile a tensor: rows of ``width`` elements
+    (a row spans the dims from the last split one on), in :class:`Group` s, in row order."""
+
+    width: int
+    groups: list[Group]
+
+
+def chunks_in_order(folder: Path, e: TensorEntry) -> tuple[list[Chunk], Tiling | None]:
     """The chunks with bytes, and how they tile the tensor.
 
     Split along dim 0 only (FSDP's rows), the chunks in offset order are the tensor's bytes one
-    after another: runs is None. Split along other dims too (tensor parallelism's columns, a 2-D
-    mesh), each chunk is a box whose rows interleave with its neighbours': runs lists, in the
-    tensor's row-major order, each stretch that is contiguous in both, as ``(chunk index, start
-    in the chunk, length)`` triples, flat (one array: a large tensor has many), counted in elements
-    of ``unit`` bytes (the dtype's size: bytes; 1: elements).
+    after another: the tiling is None. Split along other dims too (tensor parallelism's columns,
+    a 2-D mesh), each chunk is a box whose rows interleave with its neighbours': the
+    :class:`Tiling` says which chunks make up each run of rows, found per run of rows (never per
+    stretch: a large tensor has millions).
 
     Raises:
         CheckpointFormatError: a chunk outside the tensor, or chunks that overlap or leave a gap.
@@ -432,7 +448,7 @@ def chunks_in_order(folder: Path, e: TensorEntry, *, unit: int = 1) -> tuple[lis
         return list(e.chunks), None
     chunks = sorted((c for c in e.chunks if 0 not in c.sizes), key=lambda c: c.offsets)  # chunks with bytes
     if any(c.offsets[d] != 0 or c.sizes[d] != e.shape[d] for c in chunks for d in range(1, rank)):
-        return chunks, _runs(folder, e, chunks, unit)
+        return chunks, _tiling(folder, e, chunks)
     at = 0
     for c in chunks:
         if c.offsets[0] != at:
@@ -453,50 +469,70 @@ def chunks_in_order(folder: Path, e: TensorEntry, *, unit: int = 1) -> tuple[lis
     return chunks, None
 
 
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= d
-    return strides[::-1]
+def _tiling(folder: Path, e: TensorEntry, chunks: list[Chunk]) -> Tiling:
+    """The :class:`Tiling` of :func:`chunks_in_order`, checked to cover the tensor once.
 
+    A row is an index into the dims before ``split`` (the last dim a chunk splits); every chunk
+    spans the dims after it, so its part of a row is one stretch. Dim by dim, the chunks' edges
+    cut the index range into intervals each chunk covers whole or not at all; an interval whose
+    chunks all span the remaining row dims is one group, else each index in it is cut further.
+    Within a group, the chunks' intervals along ``split`` must tile it exactly.
+    """
+    shape = e.shape
+    split = max(d for c in chunks for d in range(len(shape)) if c.offsets[d] != 0 or c.sizes[d] != shape[d])
+    span = math.prod(shape[split + 1 :])  # elements per unit of the split dim
+    width = shape[split] * span
+    rows_per = [math.prod(shape[d + 1 : split]) for d in range(split)]  # rows per index of dim d
+    groups: list[Group] = []
 
-def _runs(folder: Path, e: TensorEntry, chunks: list[Chunk], unit: int) -> array[int]:
-    """The stretches of :func:`chunks_in_order`, checked to cover the tensor once."""
-    rank, strides = len(e.shape), _strides(e.shape)
-    lengths, each = [], []
-    for i, c in enumerate(chunks):
-        full = rank  # the dims from ``full`` on are the tensor's whole: a stretch spans them
-        while full > 0 and c.offsets[full - 1] == 0 and c.sizes[full - 1] == e.shape[full - 1]:
-            full -= 1
-        inner = max(full - 1, 0)  # the dim a stretch runs along (part of it); 0 for a chunk that is the whole tensor
-        lengths.append(c.sizes[inner] * strides[inner] if full else math.prod(e.shape))
-        chunk_strides = _strides(c.sizes)
-        # where each stretch starts in the tensor and in the chunk: sums over the dims above ``inner``,
-        # in increasing order (itertools.product is lexicographic), so the chunks' lists merge
-        outside = [[(c.offsets[d] + k) * strides[d] for k in range(c.sizes[d])] for d in range(inner)]
-        within = [[k * chunk_strides[d] for k in range(c.sizes[d])] for d in range(inner)]
-        base = c.offsets[inner] * strides[inner] if full else 0
-        each.append(
-            zip(
-                map(base.__add__, map(sum, itertools.product(*outside))),  # base bound now, not when merged
-                itertools.repeat(i),
-                map(sum, itertools.product(*within)),
-                strict=False,
-            )
+    def fail(row: int, col: int, end_row: int, end_col: int, overlap: bool) -> CheckpointFormatError:
+        first, last = row * width + col, end_row * width + end_col - 1
+        what = f"overlap at element {first}" if overlap else f"leave elements {first}..{last} uncovered"
+        return CheckpointFormatError(
+            f"{folder}: the chunks of tensor {e.fqn} ({list(shape)}) {what}; each element must be in exactly one chunk"
         )
-    runs, at = array("q"), 0
-    for start, i, begin in heapq.merge(*each):
-        if start != at:
-            what = f"overlap at element {start}" if start < at else f"leave elements {at}..{start - 1} uncovered"
-            raise CheckpointFormatError(
-                f"{folder}: the chunks of tensor {e.fqn} ({list(e.shape)}) {what}; each element must be in exactly one chunk"
-            )
-        runs.extend((i, begin * unit, lengths[i] * unit))
-        at += lengths[i]
-    if at != math.prod(e.shape):
-        raise CheckpointFormatError(
-            f"{folder}: the chunks of tensor {e.fqn} cover {at} of its {math.prod(e.shape)} elements; "
-            "each element must be in exactly one chunk"
+
+    def emit(row: int, rows: int, index: list[int], members: list[int]) -> None:
+        parts, col = [], 0
+        for i in sorted(members, key=lambda i: chunks[i].offsets[split]):
+            c = chunks[i]
+            if c.offsets[split] != col:
+                at = c.offsets[split] * span if c.offsets[split] < col else col * span
+                raise fail(row, at, row, c.offsets[split] * span, c.offsets[split] < col)
+            local = 0  # the chunk's row holding the group's first row
+            for d in range(split):
+                local = local * c.sizes[d] + (index[d] - c.offsets[d] if d < len(index) else 0)
+            w = c.sizes[split] * span
+            parts.append((i, local * w, w))
+            col += c.sizes[split]
+        if col != shape[split]:
+            raise fail(row, col * span, row, width, False)
+        groups.append(Group(row, rows, tuple(parts)))
+
+    def cut(d: int, row: int, index: list[int], members: list[int]) -> None:
+        edges = sorted(
+            {
+                0,
+                shape[d],
+                *(x for i in members for x in (chunks[i].offsets[d], chunks[i].offsets[d] + chunks[i].sizes[d])),
+            }
         )
-    return runs
+        for a, b in itertools.pairwise(edges):
+            inside = [
+                i for i in members if chunks[i].offsets[d] <= a and b <= chunks[i].offsets[d] + chunks[i].sizes[d]
+            ]
+            first = row + a * rows_per[d]
+            if not inside:
+                raise fail(first, 0, first + (b - a) * rows_per[d] - 1, width, False)
+            if d == split - 1 or all(
+                chunks[i].offsets[k] == 0 and chunks[i].sizes[k] == shape[k]
+                for i in inside
+                for k in range(d + 1, split)
+            ):
+                emit(first, (b - a) * rows_per[d], [*index, a], inside)
+            else:
+                for k in range(a, b):
+                    cut(d + 1, row + k * rows_per[d], [*index, k], inside)
+
+    cut(0, 0, [], list(range(len(chunks))))
+    return Tiling(width, groups)

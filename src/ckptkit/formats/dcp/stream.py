@@ -15,9 +15,9 @@ dropped and convert falls back to torch.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,17 @@ from ..spec import EntryView, Info
 from ..torchzip.bounds import storage_problem
 from ..torchzip.container import SliceReader, TorchZip
 from .detect import DCP
-from .meta import BytesEntry, Chunk, Stored, TensorEntry, chunks_in_order, read_metadata, set_element
+from .meta import (
+    BytesEntry,
+    Chunk,
+    DcpMetadata,
+    Stored,
+    TensorEntry,
+    Tiling,
+    chunks_in_order,
+    read_metadata,
+    set_element,
+)
 
 __all__ = ["DcpSource", "DcpTensor", "Piece", "chunk_crc_check", "is_leaf", "open_dcp"]
 
@@ -65,10 +75,10 @@ class DcpTensor(Entry):
     fqn: str
     dtype: str
     shape: tuple[int, ...]
-    find: Callable[[], tuple[tuple[Piece, ...], array[int] | None]] = field(repr=False)
+    find: Callable[[], tuple[tuple[Piece, ...], Tiling | None]] = field(repr=False)
     src: DcpSource = field(repr=False)
     _found: tuple[Piece, ...] | None = field(default=None, repr=False)
-    _runs: array[int] | None = field(default=None, repr=False)
+    _tiling: Tiling | None = field(default=None, repr=False)
     zip = None
     complete = True
 
@@ -95,23 +105,22 @@ class DcpTensor(Entry):
     def pieces(self) -> tuple[Piece, ...]:
         """Its chunks' bytes, whole, in offset order."""
         if self._found is None:
-            self._found, self._runs = self.find()
+            self._found, self._tiling = self.find()
         return self._found
 
     @property
-    def runs(self) -> array[int] | None:
-        """Where its chunks interleave (split along a dim other than 0): ``(piece, start, length)``
-        byte triples in the tensor's order (:func:`~.meta.chunks_in_order`); None: the pieces
-        follow one another."""
+    def tiling(self) -> Tiling | None:
+        """Where its chunks interleave (split along a dim other than 0), how they tile it, in
+        elements (:func:`~.meta.chunks_in_order`); None: the pieces follow one another."""
         self.pieces  # noqa: B018 - found with them
-        return self._runs
+        return self._tiling
 
     @property
     def crc(self) -> int | None:  # type: ignore[override]
         """The CRC-32 its bytes have where each chunk's match the CRC-32 its zip records; None
         until its pieces are found (a writer does not wait for them), or where its chunks
         interleave (then it is known once copied)."""
-        if self._found is None or self._runs is not None:
+        if self._found is None or self._tiling is not None:
             return None
         crc = 0
         for p in self._found:
@@ -130,6 +139,7 @@ class DcpSource(EntryView):
 
     folder: Path
     obj: dict[str, Any]
+    meta: DcpMetadata | None = None  # its .metadata, once read
     files: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
     damage: Damage = field(init=False)
@@ -154,53 +164,55 @@ class DcpSource(EntryView):
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its
         recorded CRC-32 goes to :attr:`damage` (raised once everything was read)."""
         crc = 0
-        pieces, runs = t.pieces, t.runs
-        if runs is None:
+        pieces, tiling = t.pieces, t.tiling
+        if tiling is None:
             for p in pieces:
                 read = copy_range(self.files[p.file], dst, p.offset, p.length, progress, crc=True)
                 self.damage.check((t.fqn, p), p.crc, read)
                 crc = crc32_combine(crc, read, p.length)
             return crc
-        # Each chunk's stretches come in its own order (a box read row by row), so its CRC-32 builds
-        # up as they pass. The output goes in bands of at most BAND bytes: each chunk's share of a band
-        # is one read, and the band is assembled in memory and written once.
+        # A chunk's stretches come in its own order (its rows in the tensor's order), so its CRC-32
+        # builds up as they pass. Rows go in bands of at most BAND bytes: each chunk's share of a
+        # band is one read, and the band is assembled in memory and written once.
         chunk_crcs = [0] * len(pieces)
-        i, n = 0, len(runs)
-        while i < n:
-            j, size = i, 0
-            while j < n and (j == i or size + runs[j + 2] <= BAND):
-                size, j = size + runs[j + 2], j + 3
-            if size > BAND:  # one stretch beyond the band: copied as it is, in the kernel
-                k, start, length = runs[i], runs[i + 1], runs[i + 2]
-                p = pieces[k]
-                read = copy_range(self.files[p.file], dst, p.offset + start, length, progress, crc=True)
-                chunk_crcs[k] = crc32_combine(chunk_crcs[k], read, length)
-                crc = crc32_combine(crc, read, length)
-                i = j
+        unit = BY_NAME[t.dtype].itemsize
+        row_bytes = tiling.width * unit
+
+        def stretch(k: int, start: int, length: int) -> int:  # copied in the kernel: beyond a band
+            p = pieces[k]
+            got = copy_range(self.files[p.file], dst, p.offset + start, length, progress, crc=True)
+            chunk_crcs[k] = crc32_combine(chunk_crcs[k], got, length)
+            return got
+
+        for g in tiling.groups:
+            parts = [(k, first * unit, width * unit) for k, first, width in g.parts]
+            if len(parts) == 1:  # one chunk spans these rows: they follow one another in it
+                k, start, width = parts[0]
+                crc = crc32_combine(crc, stretch(k, start, g.rows * width), g.rows * width)
                 continue
-            spans: dict[int, list[int]] = {}  # chunk -> [first byte, end] of its stretches in this band
-            for r in range(i, j, 3):
-                span = spans.setdefault(runs[r], [runs[r + 1], runs[r + 1]])
-                span[1] = runs[r + 1] + runs[r + 2]  # a chunk's stretches follow one another in it
-            read_in = {}
-            for k, (lo, hi) in spans.items():
-                data = _read_at(self.files[pieces[k].file], pieces[k].offset + lo, hi - lo, pieces[k].where)
-                chunk_crcs[k] = crc32_combine(chunk_crcs[k], crc32(data), hi - lo)
-                read_in[k] = memoryview(data)
-            band = b"".join(
-                [
-                    read_in[runs[r]][runs[r + 1] - spans[runs[r]][0] : runs[r + 1] - spans[runs[r]][0] + runs[r + 2]]
-                    for r in range(i, j, 3)
-                ]
-            )
-            crc = crc32_combine(crc, write_checked(dst, band, progress), size)
-            i = j
+            if row_bytes > BAND:  # a row beyond a band: stretch by stretch
+                for r in range(g.rows):
+                    for k, start, width in parts:
+                        crc = crc32_combine(crc, stretch(k, start + r * width, width), width)
+                continue
+            step = BAND // row_bytes
+            for r in range(0, g.rows, step):
+                n = min(step, g.rows - r)
+                rows = []
+                for k, start, width in parts:
+                    p = pieces[k]
+                    data = _read_at(self.files[p.file], p.offset + start + r * width, n * width, p.where)
+                    chunk_crcs[k] = crc32_combine(chunk_crcs[k], crc32(data), n * width)
+                    view = memoryview(data)
+                    rows.append([view[i : i + width] for i in range(0, n * width, width)])
+                band = b"".join(itertools.chain.from_iterable(zip(*rows, strict=True)))
+                crc = crc32_combine(crc, write_checked(dst, band, progress), n * row_bytes)
         for p, got in zip(pieces, chunk_crcs, strict=True):
             self.damage.check((t.fqn, p), p.crc, got)
         return crc
 
 
-BAND = 8 << 20  # bytes of an interleaved tensor assembled at once: memory holds this, never a tensor
+BAND = 1 << 20  # bytes of an interleaved tensor assembled at once: memory holds this, never a tensor
 
 
 def _read_at(f: BinaryIO, offset: int, length: int, where: str) -> bytes:
@@ -248,7 +260,7 @@ def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False) -> DcpSource
     """
     src = DcpSource(Path(folder), {})
     try:
-        meta = read_metadata(src.folder)
+        src.meta = meta = read_metadata(src.folder)
         seen: _Seen = {}
         for fqn, entry in meta.entries.items():
             if isinstance(entry, TensorEntry):
@@ -312,9 +324,9 @@ def _unpickled(z: TorchZip, data: bytes, what: str) -> Any:
         raise CheckpointFormatError(f"{z.path}: {what}: {e}") from e
 
 
-def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[tuple[Piece, ...], array[int] | None]:
+def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[tuple[Piece, ...], Tiling | None]:
     pieces = []
-    chunks, runs = chunks_in_order(src.folder, e, unit=BY_NAME[e.dtype].itemsize)  # in bytes
+    chunks, tiling = chunks_in_order(src.folder, e)
     for c in chunks:
         what = f"chunk at {list(c.offsets)} in {c.stored.file}"
         z, view = _zip(src, c.stored, f"tensor {e.fqn}'s {what}")
@@ -327,7 +339,7 @@ def _pieces(src: DcpSource, e: TensorEntry, seen: _Seen) -> tuple[tuple[Piece, .
                 f"tensor {e.fqn}'s {what} is {'compressed' if rec.method else 'a view of a larger storage'}"
             )
         pieces.append(Piece(c.stored.file, view.start + rec.data_offset, rec.size, rec.crc, what))
-    return tuple(pieces), runs
+    return tuple(pieces), tiling
 
 
 def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: str, seen: _Seen) -> lp.TensorRef:
