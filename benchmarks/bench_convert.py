@@ -100,8 +100,23 @@ def _rss_anon_kb(pid: int) -> int:
     return 0
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (``convert --workers`` spawns some)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
+
+
 def run(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RssAnon (MiB) of one process."""
+    """Wall seconds and peak RssAnon (MiB) of one process, with any it starts (summed at each sample)."""
     peak = 0
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -109,7 +124,7 @@ def run(cmd: list[str]) -> tuple[float, int]:
     def sample() -> None:
         nonlocal peak
         while proc.poll() is None:
-            peak = max(peak, _rss_anon_kb(proc.pid))
+            peak = max(peak, sum(_rss_anon_kb(p) for p in _tree(proc.pid)))
             time.sleep(0.002)
 
     t = threading.Thread(target=sample)

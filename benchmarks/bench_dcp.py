@@ -6,11 +6,12 @@
 
 The folder is saved by FSDP2 (``fully_shard``) on 2 gloo ranks: a GPT-like model (the shapes of
 bench_convert.py's) built on the meta device, so each rank holds only its shards. Each run does
-``cp -r``, ``cp -r && sync``, the convert to one file and to Hugging Face shards, and then the
+``cp -r``, ``cp -r && sync``, the convert to one file and to Hugging Face shards (by one process,
+and by two with ``--workers 2``), and then the
 same weights as one .pt file copied and converted (the single-file baseline), in turn, so a
 change in the machine's load reaches all alike; each input is re-read right before its run;
 the table gives min / median / max wall seconds and ratios to ``cp`` of the same input. Memory is the peak ``RssAnon``
-(private memory) sampled as bench_convert.py does. ckptkit fsyncs what it writes; ``cp`` does not.
+(private memory, of the workers too) sampled as bench_convert.py does. ckptkit fsyncs what it writes; ``cp`` does not.
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ def main() -> int:
             (
                 "ckptkit convert ckpt.dcp hf/ (200MB shards)",
                 [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB"],
+                shards,
+                dcp_in,
+                "dcp",
+            ),
+            (
+                "ckptkit convert ckpt.dcp hf/ --workers 2 (200MB shards)",
+                [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB", "--workers", "2"],
                 shards,
                 dcp_in,
                 "dcp",

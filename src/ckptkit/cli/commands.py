@@ -83,6 +83,14 @@ def _rules(f: Any) -> list[str]:
     help="Write DST as a folder of Hugging Face safetensors shards of at most SIZE (bytes, or 5GB, 500MB).",
 )
 @click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Write a folder's Hugging Face shards with N processes at once (the index once all are done).",
+)
+@click.option(
     "--format",
     "out_format",
     type=click.Choice(["dcp"]),
@@ -132,6 +140,7 @@ def convert(
     allow_global: tuple[str, ...],
     force: bool,
     max_shard_size: str | None,
+    workers: int,
     out_format: Literal["dcp"] | None,
     zero_weights: Literal["fp32", "module"],
     dtype: Literal["bf16", "fp16", "fp32"] | None,
@@ -169,6 +178,7 @@ def convert(
             dtype=dtype,
             sanitize=sanitize,
             merge_adapter=merge_adapter,
+            workers=workers,
         )
     if as_json:
         emit_json(report.to_dict())

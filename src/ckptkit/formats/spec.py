@@ -253,6 +253,22 @@ class CheckpointFormat:
         return importlib.import_module(f"{self.package}.torch")
 
 
+# Starts the other workers on the temp folder, each with its list of shard files; returns
+# finish(ok): with True, waits for them all (raising the first failure, naming the worker); with
+# False (this process failed), stops them. See WritePlan.spread.
+Spread = Callable[[Path, list[list[str]]], Callable[[bool], None]]
+
+
+@dataclass
+class Part:
+    """A worker's share of a sharded folder: write ``files`` (of the plan every worker makes
+    alike) into the writer's temp ``folder``, nothing else; ``share`` is what it reports back."""
+
+    folder: Path
+    files: list[str]
+    share: Any = None
+
+
 @dataclass
 class WritePlan:
     """What a writer needs beyond the tree: a folder's shard limit, progress, the source's name.
@@ -263,9 +279,15 @@ class WritePlan:
         source: the source's name, for messages.
         copy_storages: a torch zip written from a torch zip may copy its storages as they are
             (False where the tensors are cast as they are copied).
+        workers: a sharded folder's shards split among this many processes, this one included.
+        spread: with ``workers``, starts the others (the writer keeps the first share).
+        part: in a worker, its share: only those shard files are written.
     """
 
     max_shard_size: int = 0
     progress: Progress | None = None
     source: str = ""
     copy_storages: bool = True
+    workers: int = 1
+    spread: Spread | None = None
+    part: Part | None = None

@@ -26,7 +26,7 @@ from ..formats.integrity import check_recorded_crcs
 from ..formats.pickles.reader import UnsupportedGlobal
 from ..formats.pickles.safety import MODULE_WALK, AllowGlobals, unsafe_error
 from ..formats.source import NeedsTorch
-from ..formats.spec import CheckpointFormat, View, WritePlan
+from ..formats.spec import CheckpointFormat, Part, View, WritePlan
 from ..formats.torchzip import modulepickle as mp
 from ..io.atomicdir import check_folder_destination
 from ..io.store import locate
@@ -34,6 +34,7 @@ from ..prefix import parse_rules
 from .convert_job import Job, TorchView, fast_cast, staged_convert
 from .reports import ConvertReport
 from .verify import refuse_failing
+from .workers import Workers
 from .write import format_for
 
 
@@ -101,6 +102,7 @@ def convert_checkpoint(
     dtype: Literal["bf16", "fp16", "fp32"] | None = None,
     sanitize: bool = False,
     merge_adapter: str | os.PathLike[str] | None = None,
+    workers: int = 1,
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -114,8 +116,8 @@ def convert_checkpoint(
     it is copied, so a damaged source fails with :class:`~ckptkit.errors.CheckpointFormatError`
     naming each damaged tensor, and ``dst`` is not written. Legacy files and safetensors files from
     other writers record no CRC-32s, so there is nothing to check their bytes against. A DCP
-    folder is copied chunk by chunk, in little memory at any size, unless its chunks are split
-    along a dimension other than the first (then torch loads it whole; ``fallback_reason`` says why).
+    folder is copied chunk by chunk, in little memory at any size, however its chunks split each
+    tensor (along any dims: FSDP2, tensor parallelism, 2-D and 3-D meshes).
     A DeepSpeed ZeRO folder gives the fp32 state dict ``zero_to_fp32`` rebuilds (its names, order,
     dtypes, bits and ties), copied from the ranks' partitions, each byte checked against its CRC-32.
 
@@ -169,6 +171,10 @@ def convert_checkpoint(
             weight in memory at a time. It is checked against ``src`` first, as
             :func:`~ckptkit.check_adapter` checks it: an adapter that would not apply is refused
             (StateDictMismatchError) and nothing is written. ``merged`` lists the weights it changed.
+        workers: for a folder of Hugging Face shards, write the shards with this many processes
+            at once (this one and ``workers - 1`` spawned ones, each checking what it copies); the
+            index is written once all are done, and a failure in any leaves no folder. Where
+            ``src`` must be read with torch, one process writes every shard (``notes`` say so).
 
     Returns:
         A :class:`ConvertReport`.
@@ -183,6 +189,7 @@ def convert_checkpoint(
         >>> convert_checkpoint("old.pt", "clean.pt", trust=True, sanitize=True, dtype="bf16")  # doctest: +SKIP
         >>> convert_checkpoint("s3://bucket/ddp.pt", "single.pt")  # doctest: +SKIP
         >>> convert_checkpoint("base/", "merged/", merge_adapter="lora/")  # doctest: +SKIP
+        >>> convert_checkpoint("ckpt.dcp", "hf/", max_shard_size="2GB", workers=2)  # doctest: +SKIP
     """
     options = {k: v for k, v in locals().items() if k not in ("src", "dst")}  # every option as given
     return staged_convert(locate(src).pointed(), locate(dst), _convert, **options)
@@ -208,8 +215,12 @@ def _convert(
     dtype: Literal["bf16", "fp16", "fp32"] | None,
     sanitize: bool,
     merge_adapter: str | os.PathLike[str] | None,
+    workers: int,
+    part: Part | None = None,
 ) -> ConvertReport:
-    """:func:`convert_checkpoint` between local paths."""
+    """:func:`convert_checkpoint` between local paths; ``part``: as one of its workers."""
+    strip, add, rename = list(strip), list(add), list(rename)  # read here, and again by any worker
+    given = {k: v for k, v in locals().items() if k not in ("src", "dst", "progress", "part")}
     if to not in ("single", "ddp", "keep"):
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     if dtype is not None:
@@ -237,7 +248,17 @@ def _convert(
     limit = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size) if folder else 0
     if (folder or format is not None) and not said_folder:
         _check_folder_name(dest, spell("max_shard_size", "--max-shard-size") if folder else _dcp_flag())
-    if folder:
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ArgumentError(
+            f"{spell('workers', '--workers')} must be a whole number of processes, 1 or more, not {workers!r}"
+        )
+    if workers > 1 and not folder:
+        raise ArgumentError(
+            f"{spell('workers', '--workers')} splits a folder of Hugging Face shards among processes, and {dst} is "
+            f"{'a DCP folder, written by torch' if format is not None else 'one file'}; end DST with / (or give "
+            f"{spell('max_shard_size', '--max-shard-size')}) to write shards, or leave {spell('workers', '--workers')} out"
+        )
+    if folder and part is None:
         check_destination(source, dest, force=force)
     out_fmt = registry.get(HF) if folder else _check_paths(source, dest, force, format)
     in_fmt = registry.detect(source)
@@ -248,7 +269,12 @@ def _convert(
         from .merge import Merge  # deferred: a merge needs torch, a plain convert does not
 
         job.merging = Merge.read(merge_adapter, source, trust=trust, allow_globals=allow_globals)
-    job.plan = WritePlan(max_shard_size=limit, source=str(source))
+    job.plan = WritePlan(max_shard_size=limit, source=str(source), workers=workers, part=part)
+    if workers > 1:  # the same convert in each, with its share of the shards (workers=1: they start none)
+        job.workers = Workers(
+            workers, _convert, src, dst, given | {"workers": 1}, progress=lambda n: _tell(job.plan, n)
+        )
+        job.plan.spread = job.workers
     reason = _why_torch(in_fmt, out_fmt, trust)
     if not reason:
         assert in_fmt.open is not None  # _why_torch says so otherwise
@@ -304,7 +330,12 @@ def _convert(
             return plain
 
         job.finish = finish
-    return job.run(view)
+    report = job.run(view)
+    if workers > 1:
+        report.notes.append(
+            f"{spell('workers', '--workers')}: {source} was read with torch, so one process wrote every shard"
+        )
+    return report
 
 
 def _why_torch(in_fmt: CheckpointFormat, out_fmt: CheckpointFormat, trust: bool) -> str:
@@ -316,6 +347,12 @@ def _why_torch(in_fmt: CheckpointFormat, out_fmt: CheckpointFormat, trust: bool)
     if in_fmt.open is None:
         return f"{in_fmt.name} input: loaded with torch"
     return ""
+
+
+def _tell(plan: WritePlan, n: int) -> None:
+    """Workers' bytes to the progress this process reports."""
+    if plan.progress is not None:
+        plan.progress(n)
 
 
 def _progress(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None] | None:

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..model.layout import TOP, find_model_state, prefix_of, replace_at
 from ..model.unwrap import without_averaged_count
 from ..prefix import Rule, rename_keys, rewrite_prefixes
 from .reports import ConvertReport, other_wrapped_weights, renamed_prefixes
+from .workers import Share, Workers
 from .write import format_for, write_file
 
 if TYPE_CHECKING:  # merging imports torch, only where an adapter is merged
@@ -107,6 +109,7 @@ class Job:
     sanitize: bool = False
     finish: Callable[[Any], Any] | None = None  # what is written, made plain (--sanitize)
     sanitized: list[str] = field(default_factory=list)  # what finish changed
+    workers: Workers | None = None  # --workers: the other processes writing shards, and what they report
 
     def run(self, view: View) -> ConvertReport:
         """Select and rename ``view``'s weights, write them with the output format's writer (its
@@ -149,6 +152,19 @@ class Job:
             out = self.finish(out)
             new_state = out if self.model_only or not path else new_state
         written = self._write(view, out, new_state)
+        unread = view.unread()
+        if self.plan.part is not None:  # a worker: what the parent's report needs of it
+            cast = dict(self.casting.names) if self.casting else {}
+            self.plan.part.share = Share(cast, list(self.merging.merged) if self.merging else [], unread)
+        if self.workers is not None and self.workers.shares:  # told in the order one process would have
+            shares = self.workers.shares
+            unread = [u for u in unread if all(u in set(s.unread) for s in shares)]  # read by none
+            if self.casting is not None:
+                cast = dict(self.casting.names) | {k: v for s in shares for k, v in s.cast.items()}
+                self.casting.names = OrderedDict((k, cast[k]) for k in new_state if k in cast)
+            if self.merging is not None:
+                done = {*self.merging.merged, *(k for s in shares for k in s.merged)}
+                self.merging.merged[:] = [k for k in state if k in done]
         # Names as the source spells them: key="student." selected them with the prefix removed.
         chosen = prefix_of(path)
         names = [chosen + k for k in state]
@@ -169,7 +185,7 @@ class Job:
         torch_read = isinstance(view, TorchView)
         notes += view.notes + (self.merging.notes() if self.merging else [])
         notes += self.casting.notes() if self.casting else []
-        if unread := view.unread():
+        if unread:
             every = spell(f"verify_checkpoint({str(self.source)!r})", f"ckptkit verify {self.source}")
             notes.append(
                 f"{len(unread)} source record(s) not written were not read, so not checked ({summarize(unread, 3)}); "
@@ -199,7 +215,9 @@ class Job:
             dropped=others if self.model_only else [],
             left=[] if self.model_only else other_wrapped_weights(obj, path, is_tensor),
             tied=tied,
-            bytes=sum(f.stat().st_size for f in self.dest.iterdir())
+            bytes=0  # a worker's share is in its parent's folder, not yet published
+            if self.plan.part is not None
+            else sum(f.stat().st_size for f in self.dest.iterdir())
             if self.dest.is_dir()
             else self.dest.stat().st_size,
             shards=len(shards.files) if shards else 0,

@@ -31,6 +31,7 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
         progress=plan.progress,
         after=view.damage.raise_if_any,
         metadata=view.output_metadata(),
+        write_plan=plan,
     )
 
 

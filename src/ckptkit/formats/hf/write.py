@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ...errors import ArgumentError, summarize
+from ...errors import ArgumentError, CheckpointWriteError, summarize
 from ...io.atomicdir import atomic_folder, check_folder_destination
 from ...io.fileio import Progress
 from ..entry import Entry
 from ..integrity import check_written
 from ..safetensors.codec import write_safetensors
 from ..source import NeedsTorch
+from ..spec import WritePlan
 from .detect import HF, HF_INDEXES
 from .index import HF_FILE, drop_tied, index_bytes, split
 
@@ -55,26 +56,65 @@ def write_folder(
     written: Written,
     write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object],
     metadata: Mapping[str, str] | None = None,
+    *,
+    plan: WritePlan | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Write ``written``'s shards (``write_shard(file, names, metadata)`` fills each) and its index
     into a temp folder that becomes ``dest`` once every file is complete and durable. Every shard
     carries ``metadata`` (the source's: torchao's description of its tensors, transformers'
     ``format``), as transformers' own sharded save does.
 
+    With ``plan.workers`` above 1 (and ``plan.spread``), the shards are split among that many
+    processes by ``sizes`` (largest first, each to the least loaded): this one writes the first
+    share while ``plan.spread`` runs the others on the same temp folder, and the index is written
+    once every share is complete and durable; any failure leaves no folder. A worker
+    (``plan.part``) writes only its share's files into the folder it is given.
+    """
+    one = len(written.files) == 1
+    meta = {"format": "pt", **(metadata or {}), **(written.tied if one else {})}
+    if plan is not None and plan.part is not None:  # a worker: the parent checks and publishes
+        if not set(plan.part.files) <= set(written.files):
+            raise CheckpointWriteError(
+                f"cannot write {dest}: a worker planned other shards than {summarize(plan.part.files, 2)}; "
+                "this is a ckptkit bug, please report it with the command that did it"
+            )
+        _write_files(plan.part.folder, plan.part.files, written, write_shard, meta)
+        return
+    with atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp:
+        count = min(plan.workers, len(written.files)) if plan is not None and plan.spread is not None else 1
+        shares = _shares(written, sizes or {}, count)
+        finish = plan.spread(tmp, shares[1:]) if plan is not None and plan.spread is not None and count > 1 else None
+        index = [] if one else [HF_INDEXES[0]]
+        try:  # alone, the index goes with the shards (synced together); else once every worker is done
+            _write_files(tmp, shares[0] + (index if finish is None else []), written, write_shard, meta)
+        except BaseException:
+            if finish is not None:
+                finish(False)
+            raise
+        if finish is not None:
+            finish(True)
+            _write_files(tmp, index, written, write_shard, meta)
+
+
+def _write_files(
+    folder: Path,
+    names: list[str],
+    written: Written,
+    write_shard: Callable[[BinaryIO, list[str], dict[str, str]], object],
+    meta: dict[str, str],
+) -> None:
+    """Write ``names`` (shards, or the index) into ``folder``, all durable when this returns.
+
     The files are fsynced once all are written, not each before the next is begun: an fsync
     waits for its file's last bytes to reach the disk, time the next shard's copy can use
     (BENCHMARKS.md). Each is fsynced through the descriptor that wrote it, which is sure to
     hear of a failed writeback (a reopened one may not, if the file left memory between); past
     ``_OPEN_AT_MOST`` files the oldest is synced and closed early."""
-    one = len(written.files) == 1
-    meta = {"format": "pt", **(metadata or {}), **(written.tied if one else {})}
-    with (
-        atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp,
-        contextlib.ExitStack() as files,
-    ):  # files close before the folder's rename
+    with contextlib.ExitStack() as files:
         unsynced: list[BinaryIO] = []
-        for file in [*written.files, *([] if one else [HF_INDEXES[0]])]:
-            f = files.enter_context(open(tmp / file, "xb"))
+        for file in names:
+            f = files.enter_context(open(folder / file, "xb"))
             if file in written.files:
                 write_shard(f, written.files[file], meta)
             else:
@@ -87,6 +127,18 @@ def write_folder(
                 oldest.close()
         for synced in unsynced:
             os.fsync(synced.fileno())
+
+
+def _shares(written: Written, sizes: Mapping[str, int], count: int) -> list[list[str]]:
+    """The shard files split into ``count`` shares of about equal bytes (each file, largest first,
+    to the share with the fewest so far), each in the index's order; every process that plans
+    the same folder splits it alike."""
+    loads, shares = [0] * count, [set[str]() for _ in range(count)]
+    for file in sorted(written.files, key=lambda f: -sizes.get(f, 0)):
+        i = loads.index(min(loads))
+        loads[i] += sizes.get(file, 0)
+        shares[i].add(file)
+    return [[f for f in written.files if f in share] for share in shares]
 
 
 def plan(state: Mapping[str, Entry], *, max_shard_size: int, views: bool = False) -> Written:
@@ -117,10 +169,12 @@ def write_shards(
     views: bool = False,
     after: Callable[[], object] = lambda: None,
     metadata: Mapping[str, str] | None = None,
+    write_plan: WritePlan | None = None,
 ) -> Written:
     """Write ``state`` (names -> :class:`~..entry.Entry`) as a sharded folder at ``dest``, each
     shard with ``metadata`` (``{"format": "pt"}`` at least); ``after()`` runs once each shard is
-    written, before anything is published (a source's damage check).
+    written, before anything is published (a source's damage check). ``write_plan``: its workers
+    or part (see :func:`write_folder`).
 
     Raises:
         ArgumentError: a value is not a tensor; NeedsTorch: views of one storage (see :func:`plan`).
@@ -134,5 +188,6 @@ def write_shards(
         write_safetensors(f, {n: state[n] for n in names}, meta, source=source, progress=progress)
         after()
 
-    write_folder(dest, written, write_shard, metadata)
+    sizes = {file: sum(state[n].storage_size for n in names) for file, names in written.files.items()}
+    write_folder(dest, written, write_shard, metadata, plan=write_plan, sizes=sizes)
     return written

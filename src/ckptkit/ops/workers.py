@@ -1,0 +1,141 @@
+"""``convert --workers N``: a sharded output's shards written by N processes at once.
+
+Every worker runs the same convert (the same checks, the same plan of shards) and writes only
+its share of the shard files into the parent's temp folder (:class:`~..formats.spec.Part`); the
+parent writes the first share itself, then the index once every worker has written, checked
+and fsynced its files, and publishes the folder. A worker that fails, or dies, fails the whole
+convert and leaves no folder; the error names the worker, its shards and its cause. Workers are
+spawned (a fresh interpreter, as torch's own multiprocessing does for safety), so a torch-free
+convert stays torch-free in each.
+
+Example:
+    >>> convert_checkpoint("ckpt.dcp", "hf/", max_shard_size="2GB", workers=4)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointWriteError, CkptkitError, cause, summarize
+from ..formats.spec import Part
+
+_POLL = 0.2  # seconds between progress updates while the parent waits for its workers
+
+
+@dataclass
+class Share:
+    """What a worker reports back for the parent's report: the tensors it cast (name -> dtype
+    before), the weights it merged an adapter into, and the source records it did not read."""
+
+    cast: dict[str, str]
+    merged: list[str]
+    unread: list[str]
+
+
+@dataclass
+class Workers:
+    """Runs ``convert(src, dst, **options, part=...)`` in ``count - 1`` spawned processes; call it
+    with the temp folder and their shares (:data:`~..formats.spec.Spread`). ``shares`` collects
+    what they report; ``progress`` hears of their bytes as they copy them."""
+
+    count: int
+    convert: Callable[..., Any]
+    src: str
+    dst: str
+    options: dict[str, Any]
+    progress: Callable[[int], None] | None = None
+    shares: list[Share] = field(default_factory=list)
+
+    def __call__(self, folder: Path, shares: list[list[str]]) -> Callable[[bool], None]:
+        ctx = multiprocessing.get_context("spawn")
+        copied = ctx.Value("q", 0)  # bytes the workers have copied, for the parent's progress
+        running = []
+        try:
+            for i, files in enumerate(shares, 1):
+                ours, theirs = ctx.Pipe(duplex=False)
+                part = Part(folder, files)
+                args = (self.convert, self.src, self.dst, self.options, part, copied, theirs)
+                proc = ctx.Process(target=_work, args=args, name=f"ckptkit-worker-{i}", daemon=True)
+                proc.start()
+                theirs.close()  # the child holds its end: EOF here once it exits
+                running.append((i, files, proc, ours))
+        except BaseException:
+            _stop(running)
+            raise
+        seen = 0
+
+        def tick() -> None:
+            nonlocal seen
+            if self.progress is not None and copied.value != seen:
+                self.progress(copied.value - seen)
+                seen = copied.value
+
+        def finish(ok: bool) -> None:
+            if not ok:  # this process failed: the others' work is dropped with the folder
+                _stop(running)
+                return
+            try:
+                for i, files, proc, conn in running:
+                    while not conn.poll(_POLL):
+                        tick()
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:  # it died before it could say: killed, or out of memory
+                        proc.join()
+                        raise CheckpointWriteError(
+                            f"cannot write {self.dst}: worker {i} of {self.count} ({_named(files)}) exited with "
+                            f"code {proc.exitcode} before it finished; nothing was written"
+                        ) from None
+                    proc.join()
+                    if status != "ok":
+                        kind, text = value
+                        raise kind(f"worker {i} of {self.count} ({_named(files)}): {text}")
+                    self.shares.append(value)
+                tick()
+            finally:
+                _stop(running)
+
+        return finish
+
+
+def _named(files: list[str]) -> str:
+    return f"shard {files[0]}" if len(files) == 1 else f"shards {summarize(files, 2)}"
+
+
+def _stop(running: list[tuple[int, list[str], Any, Any]]) -> None:
+    for _, _, proc, conn in running:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join()
+        conn.close()
+
+
+def _work(
+    convert: Callable[..., Any],
+    src: str,
+    dst: str,
+    options: dict[str, Any],
+    part: Part,
+    copied: Any,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """A worker's body: the convert with its part; sends ``("ok", Share)`` or ``("error", (type, text))``."""
+
+    def progress(n: int, total: int) -> None:  # as convert calls it; the parent knows the total
+        with copied.get_lock():
+            copied.value += n
+
+    try:
+        convert(src, dst, **options, progress=progress, part=part)
+        conn.send(("ok", part.share))
+    except CkptkitError as e:  # the parent raises it again, naming this worker
+        conn.send(("error", (type(e), cause(e, typed=False))))
+    except BaseException as e:  # noqa: BLE001 - anything else is reported as a failed write, not lost
+        conn.send(("error", (CheckpointWriteError, cause(e))))
+    finally:
+        conn.close()

@@ -1,0 +1,142 @@
+"""``convert --workers N``: shards written by several processes give the folder one process writes.
+
+Every test here spawns worker processes: marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit.errors import ArgumentError, CheckpointFormatError, CheckpointWriteError
+from ckptkit.formats.dcp.stream import open_dcp
+from ckptkit.formats.spec import Part
+from ckptkit.io.atomic import TMP_SUFFIX
+from ckptkit.ops.workers import Workers
+from tests.cli.test_cli import run
+from tests.ops.test_adapter import ADAPTER, BASE
+
+pytestmark = pytest.mark.slow
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _report(report: Any) -> dict[str, Any]:
+    return {k: v for k, v in report.to_dict().items() if k != "destination"}
+
+
+@pytest.mark.parametrize(
+    ("source", "options"),
+    [
+        ("fsdp2_dcp_dim1", {}),  # chunks split along dim 1: assembled in memory, band by band
+        ("fsdp2_dcp", {"dtype": "bf16"}),  # cast as copied: each worker's casts in the report
+        ("ddp.pt", {"to": "ddp"}),
+        ("hf/safetensors", {"model_only": True}),
+        ("merge", {}),  # an adapter merged in: each worker merges its share
+    ],
+)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_write_the_folder_and_report_one_process_writes(
+    fixtures_dir: Path, tmp_path: Path, source: str, options: dict[str, Any], workers: int
+) -> None:
+    if source == "merge":
+        src, options = BASE, {"merge_adapter": ADAPTER}
+    else:
+        src = fixtures_dir / source
+    told: dict[str, list[tuple[int, int]]] = {"one": [], "many": []}
+    one = ckptkit.convert_checkpoint(
+        src, tmp_path / "one", max_shard_size="600", progress=lambda n, total: told["one"].append((n, total)), **options
+    )
+    many = ckptkit.convert_checkpoint(
+        src,
+        tmp_path / "many",
+        max_shard_size="600",
+        workers=workers,
+        progress=lambda n, total: told["many"].append((n, total)),
+        **options,
+    )
+    assert one.shards >= 2  # the other workers had shares
+    assert _files(tmp_path / "many") == _files(tmp_path / "one")
+    assert _report(many) == _report(one)
+    done = {k: (sum(n for n, _ in v), {t for _, t in v}) for k, v in told.items()}
+    assert done["many"] == done["one"]  # every worker's bytes reach the caller's progress, against one total
+    assert not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
+
+
+def test_damage_in_a_workers_share_fails_the_convert_naming_worker_and_tensor(
+    fixtures_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "dim1.dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp_dim1", folder)
+    src = open_dcp(folder)
+    last = list(src.obj)[-1]
+    piece = src.obj[last].pieces[0] if not isinstance(src.obj[last], dict) else None
+    src.close()
+    assert piece is not None
+    data = bytearray((folder / piece.file).read_bytes())
+    data[piece.offset + 3] ^= 0x40
+    (folder / piece.file).write_bytes(bytes(data))
+    one = tmp_path / "probe"  # which share holds the damaged tensor: the one-process convert names it
+    with pytest.raises(CheckpointFormatError, match=last.replace(".", r"\.")):
+        ckptkit.convert_checkpoint(folder, one, max_shard_size="1KB")
+    with pytest.raises(CheckpointFormatError, match=rf"worker \d of 4 \(shard.*{last.replace('.', r'[.]')}") as e:
+        ckptkit.convert_checkpoint(folder, tmp_path / "hf", max_shard_size="1KB", workers=4)
+    assert "damaged" in str(e.value)
+    assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
+
+
+def _die(*_: Any, **__: Any) -> None:
+    os._exit(3)
+
+
+def test_a_worker_that_dies_fails_the_write_naming_it(tmp_path: Path) -> None:
+    workers = Workers(2, _die, "src", str(tmp_path / "hf"), {})
+    finish = workers(tmp_path, [["model-00002-of-00002.safetensors"]])
+    with pytest.raises(
+        CheckpointWriteError, match=r"worker 1 of 2 \(shard model-00002-of-00002.safetensors\) exited with code 3"
+    ):
+        finish(True)
+
+
+def _fail(src: str, dst: str, *, progress: Any, part: Part) -> None:
+    progress(10, 20)
+    raise ArgumentError(f"{dst}: no room for {part.files[0]}")
+
+
+def test_a_worker_error_keeps_its_type_and_adds_the_worker(tmp_path: Path) -> None:
+    workers = Workers(2, _fail, "src", "out/", {})
+    finish = workers(tmp_path, [["a.safetensors"]])
+    with pytest.raises(
+        ArgumentError, match=r"^worker 1 of 2 \(shard a.safetensors\): out/: no room for a.safetensors$"
+    ):
+        finish(True)
+
+
+def test_workers_need_a_shard_folder(fixtures_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ArgumentError, match="one file; end DST with /"):
+        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "out.safetensors", workers=2)
+    with pytest.raises(ArgumentError, match="a DCP folder"):
+        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "out", format="dcp", workers=2)
+    code, _, err = run("convert", fixtures_dir / "ddp.pt", tmp_path / "o.pt", "--workers", "2")
+    assert code == 2 and "--workers splits a folder" in err
+    code, _, err = run("convert", fixtures_dir / "ddp.pt", f"{tmp_path}/hf/", "--workers", "0")
+    assert code == 2 and "--workers" in err
+
+
+def test_a_source_read_with_torch_is_written_by_one_process_and_says_so(fixtures_dir: Path, tmp_path: Path) -> None:
+    report = ckptkit.convert_checkpoint(
+        fixtures_dir / "legacy_ddp.pt", tmp_path / "hf", max_shard_size="4KB", workers=2
+    )
+    assert not report.fast and any("one process wrote every shard" in n for n in report.notes)
+    got = ckptkit.read_checkpoint(tmp_path / "hf")
+    want = ckptkit.read_checkpoint(fixtures_dir / "legacy_ddp.pt")
+    assert sorted(got) == sorted(k.removeprefix("module.") for k in want)
+    assert all(torch.equal(got[k.removeprefix("module.")], v) for k, v in want.items() if isinstance(v, torch.Tensor))
