@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -11,10 +13,29 @@ if str(ROOT) not in sys.path:  # the fixture models live in fixtures/, a sibling
 
 FIXTURES = ROOT / "fixtures"
 
+if TYPE_CHECKING:
+    from tests.train.slurm_cluster import SlurmCluster
+
 
 @pytest.fixture
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A real single-node SLURM, one for the session (the trainer's tests and convert's use it)."""
+    from tests.train.slurm_cluster import SlurmCluster, missing_binaries
+
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
+    try:
+        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
+    except (OSError, RuntimeError) as e:
+        pytest.skip(f"a single-node SLURM could not start here: {e}")
+    yield cluster
+    cluster.stop()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects: a process-group test is a slow one

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ import pytest
 from ckptkit.errors import DistributedError
 from ckptkit.train.slurm import Outcome, expand_nodelist, port_for_job, requeue, restarts, torch_env
 from tests.conftest import ROOT
-from tests.train.slurm_cluster import SlurmCluster, missing_binaries
+from tests.train.slurm_cluster import SlurmCluster
 from tests.train.test_trainer import assert_same_final, last_checkpoint, records
 
 SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -269,19 +269,6 @@ def test_stop_signal_tells_which_signals_stopped_it() -> None:
 
 
 # -- a real SLURM --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
-    try:
-        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
-    except (OSError, RuntimeError) as e:
-        pytest.skip(f"a single-node SLURM could not start here: {e}")
-    yield cluster
-    cluster.stop()
 
 
 def submit(slurm: SlurmCluster, out: Path, *sbatch: str, args: tuple[str, ...] = ()) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, Literal, NoReturn
@@ -9,6 +11,7 @@ from typing import Any, Literal, NoReturn
 import click
 
 import ckptkit  # each command touches only its own function: the package imports it on first use
+from ckptkit.train import launched_group, launched_ranks
 
 from .base import BIG, emit_json, handle_errors, main
 from .render import human_bytes, progress_bar, render_adapter, render_diff, render_summary, render_verify, weights_where
@@ -158,7 +161,11 @@ def convert(
     A DST ending in / (or an existing folder, or --max-shard-size) is written as Hugging Face
     safetensors shards (default 5GB each); --format dcp writes a DCP folder.
     """
-    with progress_bar(src, threshold=BIG, enabled=not as_json) as progress:
+    by_ranks = launched_ranks(os.environ) > 1  # torchrun or srun started several: each converts its share
+    with (
+        launched_group() if by_ranks else contextlib.nullcontext(0) as rank,
+        progress_bar(src, threshold=BIG, enabled=not as_json and not by_ranks) as progress,
+    ):
         report = ckptkit.convert_checkpoint(
             src,
             dst,
@@ -179,7 +186,10 @@ def convert(
             sanitize=sanitize,
             merge_adapter=merge_adapter,
             workers=workers,
+            ranks=by_ranks,
         )
+    if rank != 0:  # rank 0 tells what every rank wrote
+        return
     if as_json:
         emit_json(report.to_dict())
         return

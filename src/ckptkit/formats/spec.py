@@ -262,11 +262,14 @@ Spread = Callable[[Path, list[list[str]]], Callable[[bool], None]]
 @dataclass
 class Part:
     """A worker's share of a sharded folder: write ``files`` (of the plan every worker makes
-    alike) into the writer's temp ``folder``, nothing else; ``share`` is what it reports back."""
+    alike) into the writer's temp ``folder``, nothing else; ``share`` is what it reports back.
+    ``receive``: where the folder and files are known only once the plan is (another rank's
+    convert asks rank 0 for them), what gives them."""
 
     folder: Path
     files: list[str]
     share: Any = None
+    receive: Callable[[], tuple[Path, list[str]]] | None = None
 
 
 @dataclass

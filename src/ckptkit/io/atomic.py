@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointWriteError
+from ..errors import CheckpointWriteError, CkptkitError
 
 TMP_SUFFIX = ".ckptkit-tmp"
 # A host name kept as it is: RFC 1123's letters, digits and hyphens. No dot, so the last dot of a
@@ -197,7 +197,7 @@ def atomic_write(path: str | os.PathLike[str], *, check: Callable[[Path], None] 
         if mine:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and not checking:
+        if isinstance(e, OSError) and not isinstance(e, CkptkitError) and not checking:  # ours say their own cause
             raise CheckpointWriteError(describe_error(e, dest)) from e
         raise
     try:

@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import ArgumentError, CheckpointWriteError, spell, summarize
+from ..errors import ArgumentError, CheckpointWriteError, CkptkitError, spell, summarize
 from .atomic import describe_error, fsync_dir, name_stem, remove_stale_temps, temp_path
 
 _RENAME_EXCHANGE = 2
@@ -116,7 +116,7 @@ def atomic_folder(path: str | os.PathLike[str], *, check: Callable[[Path], None]
     except BaseException as e:
         if mine:
             shutil.rmtree(tmp, ignore_errors=True)  # absent (interrupted before mkdir) is fine
-        if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError) and not checking:
+        if isinstance(e, OSError) and not isinstance(e, CkptkitError) and not checking:  # ours say their own cause
             raise CheckpointWriteError(describe_error(e, dest)) from e
         raise
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..errors import ArgumentError, spell
 from ..formats import registry
@@ -35,6 +35,9 @@ from .convert_job import Job, TorchView, fast_cast, staged_convert
 from .reports import ConvertReport
 from .verify import refuse_failing
 from .workers import Workers
+
+if TYPE_CHECKING:  # its module imports torch.distributed: only a convert by ranks loads it
+    from .ranks import Ranks
 from .write import format_for
 
 
@@ -103,6 +106,7 @@ def convert_checkpoint(
     sanitize: bool = False,
     merge_adapter: str | os.PathLike[str] | None = None,
     workers: int = 1,
+    ranks: bool = False,
 ) -> ConvertReport:
     """Rewrite a checkpoint's weight names for another wrapping, and its format by suffix.
 
@@ -175,6 +179,11 @@ def convert_checkpoint(
             at once (this one and ``workers - 1`` spawned ones, each checking what it copies); the
             index is written once all are done, and a failure in any leaves no folder. Where
             ``src`` must be read with torch, one process writes every shard (``notes`` say so).
+        ranks: called on every rank of the initialised process group (torchrun, srun), with the
+            same arguments: each rank writes its share of a folder of Hugging Face shards on a
+            filesystem they share, rank 0 the index once every rank's share is written and
+            checked; a failure on any rank fails every rank, naming it, and leaves no folder.
+            Every rank returns the report (rank 0's lists what all wrote).
 
     Returns:
         A :class:`ConvertReport`.
@@ -191,8 +200,29 @@ def convert_checkpoint(
         >>> convert_checkpoint("base/", "merged/", merge_adapter="lora/")  # doctest: +SKIP
         >>> convert_checkpoint("ckpt.dcp", "hf/", max_shard_size="2GB", workers=2)  # doctest: +SKIP
     """
-    options = {k: v for k, v in locals().items() if k not in ("src", "dst")}  # every option as given
-    return staged_convert(locate(src).pointed(), locate(dst), _convert, **options)
+    options = {k: v for k, v in locals().items() if k not in ("src", "dst", "ranks")}  # every option as given
+    if not ranks:
+        return staged_convert(locate(src).pointed(), locate(dst), _convert, **options)
+    from .ranks import Ranks  # deferred: torch.distributed, for a convert by ranks only
+
+    meetings = Ranks(os.fspath(dst))
+    part = Part(Path(), [], receive=meetings.receive) if meetings.rank != 0 else None
+    try:  # whatever fails, on whichever rank, every rank still holds the meetings
+        if not meetings.joined:
+            raise ArgumentError(
+                f"{spell('ranks=True', 'ranks')} needs torch.distributed's process group, initialised on every rank; "
+                "call torch.distributed.init_process_group() first, or leave ranks out to convert in this process"
+            )
+        if locate(dst).remote or locate(src).remote:
+            raise ArgumentError(
+                f"ranks convert between paths on a filesystem they share, not {src if locate(src).remote else dst}; "
+                "convert in one process, or to a shared path and upload it"
+            )
+        report = _convert(os.fspath(src), os.fspath(dst), **options, part=part, meetings=meetings)
+    except BaseException as e:
+        raise meetings.failed(e) from e
+    meetings.done(part.share if part is not None else None)
+    return report
 
 
 def _convert(
@@ -217,10 +247,12 @@ def _convert(
     merge_adapter: str | os.PathLike[str] | None,
     workers: int,
     part: Part | None = None,
+    meetings: Ranks | None = None,
 ) -> ConvertReport:
-    """:func:`convert_checkpoint` between local paths; ``part``: as one of its workers."""
+    """:func:`convert_checkpoint` between local paths; ``part``: as one of its workers (or a
+    rank other than 0); ``meetings``: as one of the ranks of a process group."""
     strip, add, rename = list(strip), list(add), list(rename)  # read here, and again by any worker
-    given = {k: v for k, v in locals().items() if k not in ("src", "dst", "progress", "part")}
+    given = {k: v for k, v in locals().items() if k not in ("src", "dst", "progress", "part", "meetings")}
     if to not in ("single", "ddp", "keep"):
         raise ArgumentError(f"to must be 'single', 'ddp' or 'keep', not {to!r}")
     if dtype is not None:
@@ -252,6 +284,17 @@ def _convert(
         raise ArgumentError(
             f"{spell('workers', '--workers')} must be a whole number of processes, 1 or more, not {workers!r}"
         )
+    if meetings is not None and (workers > 1 or not folder):
+        by_ranks = spell("ranks=True", "a convert under torchrun or srun")
+        raise ArgumentError(
+            f"{by_ranks} writes a folder of Hugging Face shards, each rank its share, "
+            + (
+                f"so leave {spell('workers', '--workers')} out"
+                if workers > 1
+                else f"and {dst} is {'a DCP folder' if format is not None else 'one file'}; end DST with / (or give "
+                f"{spell('max_shard_size', '--max-shard-size')}), or convert it in one process"
+            )
+        )
     if workers > 1 and not folder:
         raise ArgumentError(
             f"{spell('workers', '--workers')} splits a folder of Hugging Face shards among processes, and {dst} is "
@@ -275,6 +318,9 @@ def _convert(
             workers, _convert, src, dst, given | {"workers": 1}, progress=lambda n: _tell(job.plan, n)
         )
         job.plan.spread = job.workers
+    elif meetings is not None and meetings.rank == 0:  # the other ranks receive their share from it
+        job.workers, job.plan.spread = meetings, meetings
+        job.plan.workers = meetings.count
     reason = _why_torch(in_fmt, out_fmt, trust)
     if not reason:
         assert in_fmt.open is not None  # _why_torch says so otherwise
@@ -294,6 +340,13 @@ def _convert(
             reason = f"{e.name} is not modelled by the fast path: loaded with torch"
         except NeedsTorch as e:
             reason = f"{e}: loaded with torch"
+    if meetings is not None:  # the torch path loads the whole source into one process
+        raise ArgumentError(
+            f"{source} is read with torch here ({reason}), which loads it whole in one process: convert it "
+            "without torchrun or srun"
+        )
+    if part is not None:  # a worker: its parent converts through torch, alone
+        raise NeedsTorch(reason.removesuffix(": loaded with torch"))
     from .read import read_source  # deferred: torch is imported only when this path is taken
 
     obj = read_source(

@@ -35,8 +35,9 @@ from .reports import ConvertReport, other_wrapped_weights, renamed_prefixes
 from .workers import Share, Workers
 from .write import format_for, write_file
 
-if TYPE_CHECKING:  # merging imports torch, only where an adapter is merged
+if TYPE_CHECKING:  # merging imports torch, only where an adapter is merged; ranks, torch.distributed
     from .merge import Merge
+    from .ranks import Ranks
 
 
 class TorchView:
@@ -109,7 +110,7 @@ class Job:
     sanitize: bool = False
     finish: Callable[[Any], Any] | None = None  # what is written, made plain (--sanitize)
     sanitized: list[str] = field(default_factory=list)  # what finish changed
-    workers: Workers | None = None  # --workers: the other processes writing shards, and what they report
+    workers: Workers | Ranks | None = None  # --workers, or the ranks: the others writing shards, what they report
 
     def run(self, view: View) -> ConvertReport:
         """Select and rename ``view``'s weights, write them with the output format's writer (its

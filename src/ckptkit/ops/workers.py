@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointWriteError, CkptkitError, cause, summarize
+from ..formats.source import NeedsTorch
 from ..formats.spec import Part
 
 _POLL = 0.2  # seconds between progress updates while the parent waits for its workers
@@ -135,6 +136,8 @@ def _work(
         conn.send(("ok", part.share))
     except CkptkitError as e:  # the parent raises it again, naming this worker
         conn.send(("error", (type(e), cause(e, typed=False))))
+    except NeedsTorch as e:  # the parent converts through torch instead, alone, as one process would
+        conn.send(("error", (NeedsTorch, str(e))))
     except BaseException as e:  # noqa: BLE001 - anything else is reported as a failed write, not lost
         conn.send(("error", (CheckpointWriteError, cause(e))))
     finally:

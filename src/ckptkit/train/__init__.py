@@ -28,6 +28,8 @@ from ckptkit.errors import CkptkitError
 from . import failure
 from .config import TrainConfig, build_parser, check, check_environment, flags_spelled, log_folder, parse_args, run_path
 from .loop import train
+from .processes import launched_group
+from .slurm import launched_ranks
 from .task import default_data, default_model
 
 __all__ = [
@@ -37,6 +39,8 @@ __all__ = [
     "check_environment",
     "default_data",
     "default_model",
+    "launched_group",
+    "launched_ranks",
     "log_folder",
     "main",
     "parse_args",

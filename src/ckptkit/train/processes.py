@@ -7,8 +7,10 @@ inside each function so that ``ckptkit train --help`` starts without it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,18 +68,49 @@ def start_processes(cfg: TrainConfig) -> Env:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     distributed = "WORLD_SIZE" in os.environ
     if distributed and not dist.is_initialized():
-        # torchrun's store outlives a failed attempt; without a fresh key prefix per attempt,
-        # restarted workers read the dead attempt's gloo addresses and fail to connect (seen
-        # with torch 2.13 under --max-restarts; cf. pytorch/pytorch#167288).
-        store, env_rank, env_world = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(
-            backend, store=dist.PrefixStore(f"ckptkit/attempt_{attempt}", store), rank=env_rank, world_size=env_world
-        )
+        join_launched(backend)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if rank == 0:
         log_folder(cfg).mkdir(parents=True, exist_ok=True)  # checkpoints/: CheckpointFolder's (a URL has no folders)
     return Env(device, backend if distributed else "none", distributed, rank, world)
+
+
+def join_launched(backend: str) -> None:
+    """Join the default process group as torchrun (or srun, its variables made torchrun's) set it
+    up: ``env://``. torchrun's store outlives a failed attempt; without a fresh key prefix per
+    attempt, restarted workers read the dead attempt's gloo addresses and fail to connect (seen
+    with torch 2.13 under --max-restarts; cf. pytorch/pytorch#167288).
+
+    Example:
+        >>> join_launched("gloo")  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    os.environ.update(torch_env(os.environ))
+    store, env_rank, env_world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"ckptkit/attempt_{attempt}", store), rank=env_rank, world_size=env_world
+    )
+
+
+@contextlib.contextmanager
+def launched_group(backend: str = "gloo") -> Iterator[int]:
+    """In the process group torchrun or srun started (:func:`join_launched`) for the block, left
+    at its end; yields this process's rank.
+
+    Example:
+        >>> with launched_group() as rank:  # doctest: +SKIP
+        ...     report = ckptkit.convert_checkpoint("ckpt.dcp", "/shared/hf/", ranks=True)
+    """
+    import torch.distributed as dist
+
+    join_launched(backend)
+    try:
+        yield dist.get_rank()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def end_processes(env: Env) -> None:

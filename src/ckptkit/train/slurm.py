@@ -89,6 +89,23 @@ def port_for_job(job_id: str) -> int:
     return PORT_BASE + int(job_id) % PORT_SPAN
 
 
+def launched_ranks(environ: Mapping[str, str]) -> int:
+    """How many ranks the launcher of this process started: torchrun's ``WORLD_SIZE``, an srun
+    step's ``SLURM_NTASKS``; 1 outside both (an sbatch script itself is no step).
+
+    Example:
+        >>> launched_ranks({"WORLD_SIZE": "4"}), launched_ranks({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"})
+        (4, 2)
+        >>> launched_ranks({"SLURM_NTASKS": "2"}), launched_ranks({})
+        (1, 1)
+    """
+    value = environ.get("WORLD_SIZE") or (environ.get("SLURM_NTASKS") if "SLURM_STEP_ID" in environ else None)
+    try:
+        return max(1, int(value or 1))
+    except ValueError:
+        return 1
+
+
 def torch_env(
     environ: Mapping[str, str], *, hostnames: Callable[[str], list[str]] = scontrol_hostnames
 ) -> dict[str, str]:

@@ -74,6 +74,8 @@ def write_folder(
     one = len(written.files) == 1
     meta = {"format": "pt", **(metadata or {}), **(written.tied if one else {})}
     if plan is not None and plan.part is not None:  # a worker: the parent checks and publishes
+        if plan.part.receive is not None:
+            plan.part.folder, plan.part.files = plan.part.receive()
         if not set(plan.part.files) <= set(written.files):
             raise CheckpointWriteError(
                 f"cannot write {dest}: a worker planned other shards than {summarize(plan.part.files, 2)}; "
@@ -84,7 +86,7 @@ def write_folder(
     with atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp:
         count = min(plan.workers, len(written.files)) if plan is not None and plan.spread is not None else 1
         shares = _shares(written, sizes or {}, count)
-        finish = plan.spread(tmp, shares[1:]) if plan is not None and plan.spread is not None and count > 1 else None
+        finish = plan.spread(tmp, shares[1:]) if plan is not None and plan.spread is not None else None
         index = [] if one else [HF_INDEXES[0]]
         try:  # alone, the index goes with the shards (synced together); else once every worker is done
             _write_files(tmp, shares[0] + (index if finish is None else []), written, write_shard, meta)
