@@ -94,7 +94,7 @@ SECTIONS = [
         "`dcp_to_torch_save` (the whole state dict in memory) runs in the same rounds.",
         (
             ("bench_dcp.py", "--gib", "1", "--runs", "3", "--mesh", "--naive", "--dir", "{disk}"),
-            ("bench_dcp.py", "--gib", "4", "--runs", "1", "--mesh", "--naive", "--dir", "{disk}"),
+            ("bench_dcp.py", "--gib", "4", "--runs", "2", "--mesh", "--naive", "--dir", "{disk}"),
         ),
     ),
     Section(
