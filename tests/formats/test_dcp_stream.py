@@ -631,3 +631,26 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_in_one_line(
     shutil.copytree(fixtures_dir / "fsdp2_dcp", folder)
     not_regular.replace(folder / "__0_0.distcp", how)
     not_regular.assert_refused_everywhere(folder, folder / "__0_0.distcp", how, tmp_path / "out.safetensors")
+
+
+def test_a_model_only_copy_reads_no_optimizer_chunk_and_names_what_it_left_unchecked(tmp_path: Path) -> None:
+    """torchtitan's folder: the model's weights beside AdamW's moments. A model-only copy never
+    reads the optimizer's chunks (a flipped bit there goes unseen, and the report says which
+    tensors went unchecked); a copy that keeps them reads them, and fails on it."""
+    from tests.formats.test_producers import TITAN
+
+    folder = tmp_path / "step-2"
+    shutil.copytree(TITAN, folder)
+    src = open_dcp(folder)
+    moment = src.obj["optimizer"]["state.output.weight.exp_avg"]
+    piece = moment.pieces[0]
+    src.close()
+    data = bytearray((folder / piece.file).read_bytes())
+    data[piece.offset + 1] ^= 0x08
+    (folder / piece.file).write_bytes(bytes(data))
+    report = ckptkit.convert_checkpoint(folder, tmp_path / "w.safetensors", model_only=True)
+    assert report.fast and moment.fqn in report.unread and "train_state.step" in report.unread
+    assert not [n for n in report.unread if not n.startswith(("optimizer.", "train_state."))]  # the weights were read
+    assert any(f"{len(report.unread)} source record(s) not written were not read" in n for n in report.notes)
+    with pytest.raises(CheckpointFormatError, match=r"state\.output\.weight\.exp_avg"):
+        ckptkit.convert_checkpoint(folder, tmp_path / "all.pt")

@@ -118,7 +118,9 @@ def test_ranks_need_a_process_group_and_a_shard_folder(tmp_path: Path) -> None:
 
 def test_under_srun_each_task_writes_its_share(slurm: Any, tmp_path: Path) -> None:
     script = tmp_path / "convert.sbatch"
-    script.write_text(f"#!/bin/bash\nsrun python -m ckptkit.cli convert {SOURCE} {tmp_path}/hf/ --max-shard-size {SHARD}\n")
+    script.write_text(
+        f"#!/bin/bash\nsrun python -m ckptkit.cli convert {SOURCE} {tmp_path}/hf/ --max-shard-size {SHARD}\n"
+    )
     env = {**_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # the script's python is this one
     job = slurm.sbatch(script, "--ntasks=2", f"--output={tmp_path}/slurm.out", "--chdir", str(ROOT), env=env)
     state = slurm.wait_until_done(job)

@@ -142,6 +142,7 @@ class DcpSource(EntryView):
     meta: DcpMetadata | None = None  # its .metadata, once read
     files: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
+    copied: set[str] = field(default_factory=set)  # the tensors a copy read (the rest: unread)
     damage: Damage = field(init=False)
     leaf_type = DcpTensor
 
@@ -156,6 +157,21 @@ class DcpSource(EntryView):
     def nbytes(self) -> int:
         return checkpoint_bytes(self.folder, DCP)
 
+    def unread(self) -> list[str]:
+        """After a copy: the tensors it did not read (a model-only copy's optimizer state), whose
+        chunks were never CRC-checked; ``verify`` checks them."""
+        found, todo = [], [self.obj]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, DcpTensor):
+                if node.fqn not in self.copied:
+                    found.append(node.fqn)
+            elif isinstance(node, Mapping):
+                todo += list(node.values())
+            elif isinstance(node, list):
+                todo += node
+        return sorted(found)
+
     def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
         """Shapes, dtypes and where the bytes are, from ``.metadata`` and each chunk's zip header."""
         return self.entry_info, {}, None
@@ -164,6 +180,7 @@ class DcpSource(EntryView):
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its
         recorded CRC-32 goes to :attr:`damage` (raised once everything was read)."""
         crc = 0
+        self.copied.add(t.fqn)
         pieces, tiling = t.pieces, t.tiling
         if tiling is None:
             for p in pieces:
