@@ -188,19 +188,7 @@ def test_any_grid_of_chunks_reassembles_in_row_major_order(data: st.DataObject) 
     entry = _grid_entry(shape, cuts)
     chunks, tiling = chunks_in_order(Path("f"), entry)
     whole = torch.arange(math.prod(shape)).reshape(shape)
-    parts = [whole[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True))].reshape(-1) for c in chunks]
-    if tiling is None:
-        rebuilt = torch.cat(parts)
-    else:
-        rows = []
-        for g in tiling.groups:
-            assert g.row == len(rows)  # groups follow one another
-            for r in range(g.rows):
-                rows.append(
-                    torch.cat([parts[k][first + r * width : first + (r + 1) * width] for k, first, width in g.parts])
-                )
-        rebuilt = torch.cat(rows)
-    assert torch.equal(rebuilt, whole.reshape(-1))
+    assert torch.equal(_rebuilt(chunks, tiling, whole), whole.reshape(-1))
 
 
 def _rebuilt(chunks: list[Any], tiling: Any, whole: torch.Tensor) -> torch.Tensor:
