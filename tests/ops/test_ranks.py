@@ -36,7 +36,7 @@ def _env() -> dict[str, str]:
 
 def _torchrun(*args: str | Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "ckptkit.cli", "convert", *map(str, args)]
+    cmd += ["-m", "ckptkit.cli", "convert", *map(str, args), "--ranks"]
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
 
 
@@ -119,7 +119,7 @@ def test_ranks_need_a_process_group_and_a_shard_folder(tmp_path: Path) -> None:
 def test_under_srun_each_task_writes_its_share(slurm: Any, tmp_path: Path) -> None:
     script = tmp_path / "convert.sbatch"
     script.write_text(
-        f"#!/bin/bash\nsrun python -m ckptkit.cli convert {SOURCE} {tmp_path}/hf/ --max-shard-size {SHARD}\n"
+        f"#!/bin/bash\nsrun python -m ckptkit.cli convert {SOURCE} {tmp_path}/hf/ --max-shard-size {SHARD} --ranks\n"
     )
     env = {**_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # the script's python is this one
     job = slurm.sbatch(script, "--ntasks=2", f"--output={tmp_path}/slurm.out", "--chdir", str(ROOT), env=env)
@@ -127,3 +127,28 @@ def test_under_srun_each_task_writes_its_share(slurm: Any, tmp_path: Path) -> No
     assert state == "COMPLETED", (tmp_path / "slurm.out").read_text()[-3000:]
     assert _files(tmp_path / "hf") == _files(_one_process(tmp_path))
     assert (tmp_path / "slurm.out").read_text().count("hf-sharded") == 1  # rank 0's report
+
+
+def test_a_convert_that_inherits_a_launchers_variables_converts_alone(tmp_path: Path) -> None:
+    """A training rank under torchrun calling `ckptkit convert` (WORLD_SIZE=2 in its environment,
+    no partner coming) converts as one process: it once waited for the other rank for good."""
+    env = {**_env(), "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}
+    cmd = [sys.executable, "-m", "ckptkit.cli", "convert", SOURCE, f"{tmp_path}/hf/", "--max-shard-size", SHARD]
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _files(tmp_path / "hf") == _files(_one_process(tmp_path))
+
+
+def _from_pointer(rank: int, world: int, latest: str, out: str) -> Any:
+    return ckptkit.convert_checkpoint(latest, out, max_shard_size=SHARD, ranks=True).source
+
+
+def test_ranks_follow_a_latest_pointer_as_one_process_does(tmp_path: Path) -> None:
+    (tmp_path / "ckpts").mkdir()
+    shutil.copy(ROOT / "fixtures" / "ddp.pt", tmp_path / "ckpts" / "step1.pt")
+    (tmp_path / "ckpts" / "latest").write_text("step1.pt\n")
+    results = run_group(_from_pointer, 2, tmp_path, str(tmp_path / "ckpts" / "latest"), f"{tmp_path}/hf/", timeout=180)
+    assert [r.status for r in results] == ["ok", "ok"], [r.message for r in results]
+    assert results[0].value == str(tmp_path / "ckpts" / "step1.pt")
+    ckptkit.convert_checkpoint(tmp_path / "ckpts" / "latest", f"{tmp_path}/one/", max_shard_size=SHARD)
+    assert _files(tmp_path / "hf") == _files(tmp_path / "one")

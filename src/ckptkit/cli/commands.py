@@ -94,6 +94,12 @@ def _rules(f: Any) -> list[str]:
     help="Write a folder's Hugging Face shards with N processes at once (the index once all are done).",
 )
 @click.option(
+    "--ranks",
+    "as_rank",
+    is_flag=True,
+    help="Under torchrun or srun: each rank writes its share of the shards, rank 0 the index (every rank runs it).",
+)
+@click.option(
     "--format",
     "out_format",
     type=click.Choice(["dcp"]),
@@ -144,6 +150,7 @@ def convert(
     force: bool,
     max_shard_size: str | None,
     workers: int,
+    as_rank: bool,
     out_format: Literal["dcp"] | None,
     zero_weights: Literal["fp32", "module"],
     dtype: Literal["bf16", "fp16", "fp32"] | None,
@@ -161,7 +168,9 @@ def convert(
     A DST ending in / (or an existing folder, or --max-shard-size) is written as Hugging Face
     safetensors shards (default 5GB each); --format dcp writes a DCP folder.
     """
-    by_ranks = launched_ranks(os.environ) > 1  # torchrun or srun started several: each converts its share
+    # Asked for, never guessed: a process that merely inherits a launcher's variables (a training
+    # script's rank shelling out to convert) would wait for partners that never come.
+    by_ranks = as_rank and launched_ranks(os.environ) > 1
     with (
         launched_group() if by_ranks else contextlib.nullcontext(0) as rank,
         progress_bar(src, threshold=BIG, enabled=not as_json and not by_ranks) as progress,

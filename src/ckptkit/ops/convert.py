@@ -210,15 +210,16 @@ def convert_checkpoint(
     try:  # whatever fails, on whichever rank, every rank still holds the meetings
         if not meetings.joined:
             raise ArgumentError(
-                f"{spell('ranks=True', 'ranks')} needs torch.distributed's process group, initialised on every rank; "
+                f"{spell('ranks=True', '--ranks')} needs torch.distributed's process group, initialised on every rank; "
                 "call torch.distributed.init_process_group() first, or leave ranks out to convert in this process"
             )
-        if locate(dst).remote or locate(src).remote:
+        source, dest = locate(src).pointed(), locate(dst)  # a checkpoints folder or latest: the file it names
+        if source.remote or dest.remote:
             raise ArgumentError(
-                f"ranks convert between paths on a filesystem they share, not {src if locate(src).remote else dst}; "
+                f"ranks convert between paths on a filesystem they share, not {src if source.remote else dst}; "
                 "convert in one process, or to a shared path and upload it"
             )
-        report = _convert(os.fspath(src), os.fspath(dst), **options, part=part, meetings=meetings)
+        report = _convert(source.spelled, dest.spelled, **options, part=part, meetings=meetings)
     except BaseException as e:
         raise meetings.failed(e) from e
     meetings.done(part.share if part is not None else None)
