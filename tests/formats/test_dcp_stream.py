@@ -642,3 +642,46 @@ def test_a_model_only_copy_reads_no_optimizer_chunk_and_names_what_it_left_unche
     assert any(f"{len(report.unread)} source record(s) not written were not read" in n for n in report.notes)
     with pytest.raises(CheckpointFormatError, match=r"state\.output\.weight\.exp_avg"):
         ckptkit.convert_checkpoint(folder, tmp_path / "all.pt")
+
+
+def test_a_band_of_narrow_rows_holds_no_object_per_row(tmp_path: Path) -> None:
+    """An int8 [4M, 2] tensor split along dim 1 (one byte of each row per chunk): a band of a
+    million rows once held a slice object per row per chunk (+169 MiB at this size); now its
+    Python allocations stay near the band and one chunk's read."""
+    import io
+    import tracemalloc
+    import zlib
+
+    from ckptkit.formats.dcp import stream
+    from ckptkit.formats.dcp.meta import Chunk, Stored, TensorEntry, chunks_in_order
+
+    rows = 4 << 20
+    whole = torch.arange(rows * 2, dtype=torch.int64).remainder(251).to(torch.int8).reshape(rows, 2)
+    boxes = [((0, 0), (rows, 1)), ((0, 1), (rows, 1))]
+    entry = TensorEntry("t", "int8", (rows, 2), tuple(Chunk(at, size, Stored("x", 0, 1)) for at, size in boxes))
+    chunks, tiling = chunks_in_order(Path("f"), entry)
+    blob, pieces = bytearray(), []
+    for c in chunks:
+        raw = whole[:, c.offsets[1]].contiguous().numpy().tobytes()
+        pieces.append(stream.Piece("x", len(blob), len(raw), zlib.crc32(raw), "chunk"))
+        blob += raw
+    (tmp_path / "x").write_bytes(bytes(blob))
+    del blob
+    src = stream.DcpSource(tmp_path, {})
+    src.files["x"] = open(tmp_path / "x", "rb")  # noqa: SIM115 - closed by src.close
+    t = DcpTensor("t", "int8", (rows, 2), lambda: (tuple(pieces), tiling), src)
+    out = io.BytesIO(bytearray(rows * 2))
+    out.seek(0)
+    tracemalloc.start()
+    try:
+        crc = src.copy(t, out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        src.close()
+    src.damage.raise_if_any()
+    want = whole.reshape(-1).numpy().tobytes()
+    assert out.getvalue() == want and crc == zlib.crc32(want)
+    assert peak < 8 * stream.BAND, (
+        peak
+    )  # a few band-sized buffers (reads, the band, a strided column): no per-row objects

@@ -15,7 +15,6 @@ dropped and convert falls back to torch.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -215,14 +214,13 @@ class DcpSource(EntryView):
             step = BAND // row_bytes
             for r in range(0, g.rows, step):
                 n = min(step, g.rows - r)
-                rows = []
+                reads = []
                 for k, start, width in parts:
                     p = pieces[k]
                     data = _read_at(self.files[p.file], p.offset + start + r * width, n * width, p.where)
                     chunk_crcs[k] = crc32_combine(chunk_crcs[k], crc32(data), n * width)
-                    view = memoryview(data)
-                    rows.append([view[i : i + width] for i in range(0, n * width, width)])
-                band = b"".join(itertools.chain.from_iterable(zip(*rows, strict=True)))
+                    reads.append((data, width))
+                band = _assembled(reads, n, row_bytes)
                 crc = crc32_combine(crc, write_checked(dst, band, progress), n * row_bytes)
         for p, got in zip(pieces, chunk_crcs, strict=True):
             self.damage.check((t.fqn, p), p.crc, got)
@@ -230,6 +228,27 @@ class DcpSource(EntryView):
 
 
 BAND = 1 << 20  # bytes of an interleaved tensor assembled at once: memory holds this, never a tensor
+
+
+def _assembled(reads: list[tuple[bytes, int]], rows: int, row_bytes: int) -> bytes | bytearray:
+    """A band of ``rows`` rows from each chunk's read (its rows of ``width`` bytes), side by side.
+    Where every stretch is at least as wide as there are rows, their slices are joined (at most
+    about ``sqrt(BAND)`` per chunk); else each chunk is placed byte column by byte column with
+    strided copies in C, so a band of narrow rows holds no object per row."""
+    if all(rows <= width for _, width in reads):
+        views = [(memoryview(data), width) for data, width in reads]
+        return b"".join([v[i * w : (i + 1) * w] for i in range(rows) for v, w in views])
+    band, col = bytearray(rows * row_bytes), 0
+    for data, width in reads:
+        if rows <= width:
+            view = memoryview(data)
+            for i in range(rows):
+                band[i * row_bytes + col : i * row_bytes + col + width] = view[i * width : (i + 1) * width]
+        else:
+            for j in range(width):
+                band[col + j :: row_bytes] = data[j::width]
+        col += width
+    return band
 
 
 def _read_at(f: BinaryIO, offset: int, length: int, where: str) -> bytes:
