@@ -98,7 +98,7 @@ def _die(*_: Any, **__: Any) -> None:
 
 
 def test_a_worker_that_dies_fails_the_write_naming_it(tmp_path: Path) -> None:
-    workers = Workers(2, _die, "src", str(tmp_path / "hf"), {})
+    workers = Workers(_die, "src", str(tmp_path / "hf"), {})
     finish = workers(tmp_path, [["model-00002-of-00002.safetensors"]])
     with pytest.raises(
         CheckpointWriteError, match=r"worker 1 of 2 \(shard model-00002-of-00002.safetensors\) exited with code 3"
@@ -112,7 +112,7 @@ def _fail(src: str, dst: str, *, progress: Any, part: Part) -> None:
 
 
 def test_a_worker_error_keeps_its_type_and_adds_the_worker(tmp_path: Path) -> None:
-    workers = Workers(2, _fail, "src", "out/", {})
+    workers = Workers(_fail, "src", "out/", {})
     finish = workers(tmp_path, [["a.safetensors"]])
     with pytest.raises(
         ArgumentError, match=r"^worker 1 of 2 \(shard a.safetensors\): out/: no room for a.safetensors$"

@@ -315,9 +315,7 @@ def _convert(
         job.merging = Merge.read(merge_adapter, source, trust=trust, allow_globals=allow_globals)
     job.plan = WritePlan(max_shard_size=limit, source=str(source), workers=workers, part=part)
     if workers > 1:  # the same convert in each, with its share of the shards (workers=1: they start none)
-        job.workers = Workers(
-            workers, _convert, src, dst, given | {"workers": 1}, progress=lambda n: _tell(job.plan, n)
-        )
+        job.workers = Workers(_convert, src, dst, given | {"workers": 1}, progress=lambda n: _tell(job.plan, n))
         job.plan.spread = job.workers
     elif meetings is not None and meetings.rank == 0:  # the other ranks receive their share from it
         job.workers, job.plan.spread = meetings, meetings
@@ -341,6 +339,7 @@ def _convert(
             reason = f"{e.name} is not modelled by the fast path: loaded with torch"
         except NeedsTorch as e:
             reason = f"{e}: loaded with torch"
+    job.workers = job.plan.spread = None  # the torch path writes alone: no worker's share of a fast try counts
     if meetings is not None:  # the torch path loads the whole source into one process
         raise ArgumentError(
             f"{source} is read with torch here ({reason}), which loads it whole in one process: convert it "

@@ -40,11 +40,10 @@ class Share:
 
 @dataclass
 class Workers:
-    """Runs ``convert(src, dst, **options, part=...)`` in ``count - 1`` spawned processes; call it
-    with the temp folder and their shares (:data:`~..formats.spec.Spread`). ``shares`` collects
-    what they report; ``progress`` hears of their bytes as they copy them."""
+    """Runs ``convert(src, dst, **options, part=...)`` in a spawned process per share; call it
+    with the temp folder and the other processes' shares (:data:`~..formats.spec.Spread`).
+    ``shares`` collects what they report; ``progress`` hears of their bytes as they copy them."""
 
-    count: int
     convert: Callable[..., Any]
     src: str
     dst: str
@@ -54,6 +53,7 @@ class Workers:
 
     def __call__(self, folder: Path, shares: list[list[str]]) -> Callable[[bool], None]:
         ctx = multiprocessing.get_context("spawn")
+        count = len(shares) + 1  # this process too; fewer than asked where there are fewer shards
         copied = ctx.Value("q", 0)  # bytes the workers have copied, for the parent's progress
         running = []
         try:
@@ -89,13 +89,14 @@ class Workers:
                     except EOFError:  # it died before it could say: killed, or out of memory
                         proc.join()
                         raise CheckpointWriteError(
-                            f"cannot write {self.dst}: worker {i} of {self.count} ({_named(files)}) exited with "
+                            f"cannot write {self.dst}: worker {i} of {count} ({_named(files)}) exited with "
                             f"code {proc.exitcode} before it finished; nothing was written"
                         ) from None
                     proc.join()
                     if status != "ok":
                         kind, text = value
-                        raise kind(f"worker {i} of {self.count} ({_named(files)}): {text}")
+                        # needing torch is no failure: the parent converts alone, as one process would say why
+                        raise kind(text if kind is NeedsTorch else f"worker {i} of {count} ({_named(files)}): {text}")
                     self.shares.append(value)
                 tick()
             finally:
