@@ -159,7 +159,8 @@ class Job:
             self.plan.part.share = Share(cast, list(self.merging.merged) if self.merging else [], unread)
         if self.workers is not None and self.workers.shares:  # told in the order one process would have
             shares = self.workers.shares
-            unread = [u for u in unread if all(u in set(s.unread) for s in shares)]  # read by none
+            read_by = [set(s.unread) for s in shares]
+            unread = [u for u in unread if all(u in other for other in read_by)]  # read by none
             if self.casting is not None:
                 cast = dict(self.casting.names) | {k: v for s in shares for k, v in s.cast.items()}
                 self.casting.names = OrderedDict((k, cast[k]) for k in new_state if k in cast)

@@ -74,8 +74,10 @@ class Ranks:
 
         def finish(ok: bool) -> None:
             said = self._meet(("ok", None) if ok else ("failed", (CheckpointWriteError, "rank 0 failed")), gather=True)
+            if not ok:
+                return  # this rank raises its own failure
             failed = [value for status, value in said[1:] if status != "ok"]
-            if ok and failed:
+            if failed:
                 raise _raised(failed[0])
             self.shares = [value for _, value in said[1:] if value is not None]
 

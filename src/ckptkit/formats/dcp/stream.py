@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -159,17 +159,7 @@ class DcpSource(EntryView):
     def unread(self) -> list[str]:
         """After a copy: the tensors it did not read (a model-only copy's optimizer state), whose
         chunks were never CRC-checked; ``verify`` checks them."""
-        found, todo = [], [self.obj]
-        while todo:
-            node = todo.pop()
-            if isinstance(node, DcpTensor):
-                if node.fqn not in self.copied:
-                    found.append(node.fqn)
-            elif isinstance(node, Mapping):
-                todo += list(node.values())
-            elif isinstance(node, list):
-                todo += node
-        return sorted(found)
+        return sorted(t.fqn for t in _tensors(self.obj) if t.fqn not in self.copied)
 
     def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
         """Shapes, dtypes and where the bytes are, from ``.metadata`` and each chunk's zip header."""
@@ -265,20 +255,27 @@ def is_leaf(value: Any) -> bool:
     return isinstance(value, DcpTensor)
 
 
-def chunk_crc_check(src: DcpSource, progress: Progress | None = None) -> Check:
-    """Every chunk's bytes against the CRC-32 its embedded zip records (what ``verify`` reports)."""
-    todo, bad, count = [src.obj], [], 0
+def _tensors(obj: Any) -> Iterator[DcpTensor]:
+    """Every tensor of an opened folder's nested state dict."""
+    todo = [obj]
     while todo:
         node = todo.pop()
         if isinstance(node, DcpTensor):
-            for p in node.pieces:
-                count += 1
-                if crc_of_range(_file(src, p.file), p.offset, p.length, progress) != p.crc:
-                    bad.append(f"{node.fqn} ({p.where})")
+            yield node
         elif isinstance(node, Mapping):
             todo += list(node.values())
         elif isinstance(node, list):
             todo += node
+
+
+def chunk_crc_check(src: DcpSource, progress: Progress | None = None) -> Check:
+    """Every chunk's bytes against the CRC-32 its embedded zip records (what ``verify`` reports)."""
+    bad, count = [], 0
+    for node in _tensors(src.obj):
+        for p in node.pieces:
+            count += 1
+            if crc_of_range(_file(src, p.file), p.offset, p.length, progress) != p.crc:
+                bad.append(f"{node.fqn} ({p.where})")
     detail = f"damaged: {summarize(sorted(bad), 4)}" if bad else f"{count} chunks match"
     return Check("CRC-32 of every chunk", "integrity", not bad, detail)
 

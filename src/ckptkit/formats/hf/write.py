@@ -83,10 +83,14 @@ def write_folder(
             )
         _write_files(plan.part.folder, plan.part.files, written, write_shard, meta)
         return
+    spread = plan.spread if plan is not None else None
     with atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp:
-        count = min(plan.workers, len(written.files)) if plan is not None and plan.spread is not None else 1
-        shares = _shares(written, sizes or {}, count)
-        finish = plan.spread(tmp, shares[1:]) if plan is not None and plan.spread is not None else None
+        shares = (
+            _shares(written, sizes or {}, min(plan.workers, len(written.files)))
+            if plan is not None and spread is not None
+            else [[*written.files]]
+        )
+        finish = spread(tmp, shares[1:]) if spread is not None else None
         index = [] if one else [HF_INDEXES[0]]
         try:  # alone, the index goes with the shards (synced together); else once every worker is done
             _write_files(tmp, shares[0] + (index if finish is None else []), written, write_shard, meta)
@@ -190,6 +194,9 @@ def write_shards(
         write_safetensors(f, {n: state[n] for n in names}, meta, source=source, progress=progress)
         after()
 
-    sizes = {file: sum(state[n].storage_size for n in names) for file, names in written.files.items()}
+    spread = write_plan is not None and write_plan.spread is not None  # sizes: only to split the shards
+    sizes = (
+        {file: sum(state[n].storage_size for n in names) for file, names in written.files.items()} if spread else None
+    )
     write_folder(dest, written, write_shard, metadata, plan=write_plan, sizes=sizes)
     return written
