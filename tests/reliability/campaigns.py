@@ -607,6 +607,36 @@ def _opened_latest(folder: Any) -> Iterator[Any]:
         yield folder.latest()
 
 
+_PART_DELAY_S = 0.3
+
+
+def _slow_parts_server(port: int) -> Any:
+    """moto's ThreadedMotoServer on ``port``, each part upload held ``_PART_DELAY_S`` as a store
+    across a network would: on the local server a 12 MiB upload is over in a few milliseconds, too
+    short a window to kill a writer in."""
+    from moto.server import DomainDispatcherApplication, ThreadedMotoServer, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+
+    def serve(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ["REQUEST_METHOD"] == "PUT" and "partNumber=" in environ.get("QUERY_STRING", ""):
+            time.sleep(_PART_DELAY_S)
+        return app(environ, start_response)
+
+    class Server(ThreadedMotoServer):  # type: ignore[misc]
+        def _server_entry(self) -> None:  # moto's own, with serve in front of its app
+            self._server = make_server(self._ip_address, self._port, serve, True)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return Server(ip_address="127.0.0.1", port=port, verbose=False)
+
+
+def _open_uploads(client: Any) -> set[str]:
+    return {u["UploadId"] for u in client.list_multipart_uploads(Bucket="ckptkit-campaign").get("Uploads", [])}
+
+
 def kill_s3(trials: int, folder: Path, seed: int) -> dict[str, Any]:
     """kill -9 a writer saving 12 MiB checkpoints to a CheckpointFolder on S3 (moto), at random
     moments during its multipart uploads. Nothing committed may be lost or torn; killed writers'
@@ -615,7 +645,6 @@ def kill_s3(trials: int, folder: Path, seed: int) -> dict[str, Any]:
     import socket
 
     import boto3
-    from moto.server import ThreadedMotoServer
 
     import ckptkit
 
@@ -624,7 +653,7 @@ def kill_s3(trials: int, folder: Path, seed: int) -> dict[str, Any]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = _slow_parts_server(port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     staging = folder / "staging"
@@ -655,11 +684,19 @@ def kill_s3(trials: int, folder: Path, seed: int) -> dict[str, Any]:
             while _status(status).get("committed", 0) < 1 and proc.poll() is None:
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 1.5))
-            uploading = bool(client.list_multipart_uploads(Bucket="ckptkit-campaign").get("Uploads"))
+            # Then wait for an upload to start and kill at once (even trials) or a little later,
+            # perhaps after its part or its commit (odd trials): each part takes _PART_DELAY_S.
+            seen = _open_uploads(client)
+            while not seen and proc.poll() is None:
+                time.sleep(0.005)
+                seen = _open_uploads(client)
+            time.sleep(0.0 if trial % 2 == 0 else rng.uniform(0.0, 2 * _PART_DELAY_S))
             proc.kill()
             proc.wait()
             counts["trials"] += 1
-            counts["killed mid-upload"] += int(uploading and proc.returncode == -signal.SIGKILL)
+            # A kill landed mid-upload exactly when the upload seen is still open: a live writer
+            # completes or aborts it, a killed one can do neither.
+            counts["killed mid-upload"] += int(bool(seen & _open_uploads(client)))
             if proc.returncode != -signal.SIGKILL:
                 counts["errors"].append(
                     f"writer ended before the kill: {_status(status)} {proc.stderr.read()[-300:] if proc.stderr else ''}"
