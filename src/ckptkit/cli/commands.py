@@ -128,6 +128,12 @@ def _rules(f: Any) -> list[str]:
     "merge_and_unload() (one weight in memory at a time); refused if check-adapter flags it.",
 )
 @click.option(
+    "--unstack-layers",
+    is_flag=True,
+    help="For a megatron-core torch_dist folder: each layer of its stacked tensors under its own key "
+    "(decoder.layers.X -> decoder.layers.0.X, ...).",
+)
+@click.option(
     "--sanitize",
     is_flag=True,
     help="With --trust: write what torch.load(weights_only=True) reads (Namespace, "
@@ -155,6 +161,7 @@ def convert(
     zero_weights: Literal["fp32", "module"],
     dtype: Literal["bf16", "fp16", "fp32"] | None,
     merge_adapter: str | None,
+    unstack_layers: bool,
     sanitize: bool,
     as_json: bool,
 ) -> None:
@@ -194,6 +201,7 @@ def convert(
             dtype=dtype,
             sanitize=sanitize,
             merge_adapter=merge_adapter,
+            unstack_layers=unstack_layers,
             workers=workers,
             ranks=by_ranks,
         )

@@ -215,6 +215,8 @@ class CheckpointFormat:
         written_by: for an output only torch writes, what writes it (``convert``'s report says so).
         owns: for a folder output its writer fills: which file names are its own, and what they
             are called; ``--force`` replaces a folder holding nothing else.
+        unstacks_layers: ``open(path, unstack_layers=True)`` gives each layer of the tensors a
+            block stacks (megatron-core's) its own keys.
     """
 
     signature: Signature
@@ -236,6 +238,7 @@ class CheckpointFormat:
     producer: Callable[[Path], Producer | None] | None = field(default=None, repr=False)
     written_by: str = ""
     owns: tuple[Callable[[str], bool], str] | None = field(default=None, repr=False)
+    unstacks_layers: bool = False
 
     @property
     def name(self) -> str:

@@ -105,6 +105,7 @@ def convert_checkpoint(
     dtype: Literal["bf16", "fp16", "fp32"] | None = None,
     sanitize: bool = False,
     merge_adapter: str | os.PathLike[str] | None = None,
+    unstack_layers: bool = False,
     workers: int = 1,
     ranks: bool = False,
 ) -> ConvertReport:
@@ -175,6 +176,11 @@ def convert_checkpoint(
             weight in memory at a time. It is checked against ``src`` first, as
             :func:`~ckptkit.check_adapter` checks it: an adapter that would not apply is refused
             (StateDictMismatchError) and nothing is written. ``merged`` lists the weights it changed.
+        unstack_layers: for a folder megatron-core's ``torch_dist`` wrote, whose blocks save each
+            weight of all their layers as one tensor, the layer index first
+            (``decoder.layers.mlp.linear_fc1.weight``, ``[num_layers, ...]``): write each layer's
+            slice under its own key (``decoder.layers.0.mlp.linear_fc1.weight``), and each layer's
+            ``_extra_state`` likewise. Streamed, each byte checked, as any DCP copy is.
         workers: for a folder of Hugging Face shards, write the shards with this many processes
             at once (this one and ``workers - 1`` spawned ones, each checking what it copies); the
             index is written once all are done, and a failure in any leaves no folder. Where
@@ -246,6 +252,7 @@ def _convert(
     dtype: Literal["bf16", "fp16", "fp32"] | None,
     sanitize: bool,
     merge_adapter: str | os.PathLike[str] | None,
+    unstack_layers: bool,
     workers: int,
     part: Part | None = None,
     meetings: Ranks | None = None,
@@ -308,6 +315,11 @@ def _convert(
     in_fmt = registry.detect(source)
     check_zero_source(source, in_fmt.name, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
     refuse_failing(source, in_fmt)  # verify's own judgement, before anything is read or written
+    if unstack_layers and not in_fmt.unstacks_layers:
+        raise ArgumentError(
+            f"{spell('unstack_layers=True', '--unstack-layers')} splits the stacked layers of a DCP folder "
+            f"megatron-core's torch_dist wrote; {src} is {in_fmt.name}: leave it out"
+        )
     job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules)
     if merge_adapter is not None:  # checked against the source before anything is written
         from .merge import Merge  # deferred: a merge needs torch, a plain convert does not
@@ -324,7 +336,7 @@ def _convert(
     if not reason:
         assert in_fmt.open is not None  # _why_torch says so otherwise
         try:
-            view = in_fmt.open(source, lazy=True, zero_weights=zero_weights)
+            view = in_fmt.open(source, lazy=True, zero_weights=zero_weights, unstack_layers=unstack_layers)
             try:
                 return _copy(view, job, progress=progress, dtype=dtype, sanitize=sanitize)
             finally:
@@ -340,6 +352,11 @@ def _convert(
         except NeedsTorch as e:
             reason = f"{e}: loaded with torch"
     job.workers = job.plan.spread = None  # the torch path writes alone: no worker's share of a fast try counts
+    if unstack_layers:  # the layers are split in the folder's metadata, which torch's reader does not see
+        raise ArgumentError(
+            f"{source} is read with torch here ({reason}), and {spell('unstack_layers=True', '--unstack-layers')} "
+            "splits layers only where ckptkit reads the folder itself; convert without it"
+        )
     if meetings is not None:  # the torch path loads the whole source into one process
         raise ArgumentError(
             f"{source} is read with torch here ({reason}), which loads it whole in one process: convert it "

@@ -36,6 +36,12 @@ _DCP_CLASSES = frozenset(
         )
     ]
     + ["torch.distributed.checkpoint.filesystem._StorageInfo"]
+    # megatron-core's torch_dist pickles its save plans in .metadata (all_local_plans): torch's
+    # planner dataclasses, read as inert stand-ins and never used
+    + [
+        f"torch.distributed.checkpoint.planner.{c}"
+        for c in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
+    ]
 )
 _OTHER_SAFE = frozenset(
     {

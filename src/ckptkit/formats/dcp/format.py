@@ -11,8 +11,8 @@ from .detect import DCP_METADATA, SIGNATURE, is_dcp_file
 from .stream import open_dcp
 
 
-def _open(path: Path, *, lazy: bool = False, **_: Any) -> View:
-    return open_dcp(path, lazy=lazy)
+def _open(path: Path, *, lazy: bool = False, unstack_layers: bool = False, **_: Any) -> View:
+    return open_dcp(path, lazy=lazy, unstack_layers=unstack_layers)
 
 
 DCP_FORMAT = CheckpointFormat(
@@ -24,4 +24,5 @@ DCP_FORMAT = CheckpointFormat(
     owns=(is_dcp_file, "DCP files"),
     published_by=lambda name: name == DCP_METADATA,
     written_by="DCP output: written by torch.distributed.checkpoint",
+    unstacks_layers=True,  # megatron-core's torch_dist folders
 )

@@ -64,6 +64,7 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     stored: Stored
+    saved: tuple[int, ...] | None = None  # its shape as saved, where a view drops a leading 1 (a layer)
 
 
 @dataclass(frozen=True)

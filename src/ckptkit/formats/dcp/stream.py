@@ -35,6 +35,7 @@ from ..spec import EntryView, Info
 from ..torchzip.bounds import storage_problem
 from ..torchzip.container import SliceReader, TorchZip
 from .detect import DCP
+from .megatron import megatron_producer, unstack
 from .meta import (
     BytesEntry,
     Chunk,
@@ -142,6 +143,7 @@ class DcpSource(EntryView):
     files: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
     copied: set[str] = field(default_factory=set)  # the tensors a copy read (the rest: unread)
+    producer: Producer | None = None  # megatron-core, where it wrote the folder
     damage: Damage = field(init=False)
     leaf_type = DcpTensor
 
@@ -163,7 +165,7 @@ class DcpSource(EntryView):
 
     def describe(self) -> tuple[Info, dict[str, Any], Producer | None]:
         """Shapes, dtypes and where the bytes are, from ``.metadata`` and each chunk's zip header."""
-        return self.entry_info, {}, None
+        return self.entry_info, {}, self.producer
 
     def copy(self, t: DcpTensor, dst: BinaryIO, progress: Progress | None = None) -> int:
         """Append ``t``'s bytes to ``dst``; returns their CRC-32. A piece that differs from its
@@ -280,12 +282,14 @@ def chunk_crc_check(src: DcpSource, progress: Progress | None = None) -> Check:
     return Check("CRC-32 of every chunk", "integrity", not bad, detail)
 
 
-def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False) -> DcpSource:
+def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False, unstack_layers: bool = False) -> DcpSource:
     """Describe a DCP folder's tensors as pieces (reads ``.metadata`` and each chunk's zip header).
 
     ``lazy``: read ``.metadata`` now and each tensor's chunk headers when its pieces are first
     asked for. A writer copying tensors in order (convert) then reads them while the disk
     writes back what it copied; the errors below may then come from :attr:`DcpTensor.pieces`.
+    ``unstack_layers``: each layer of megatron-core's stacked tensors under its own key
+    (:func:`~.megatron.unstack`).
 
     Raises:
         NeedsTorch, UnsupportedGlobal: something here is not modelled; torch's reader may read it.
@@ -294,6 +298,9 @@ def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False) -> DcpSource
     src = DcpSource(Path(folder), {})
     try:
         src.meta = meta = read_metadata(src.folder)
+        src.producer = megatron_producer(src.folder, meta)
+        if unstack_layers:
+            meta = unstack(src.folder, meta)[0]
         seen: _Seen = {}
         for fqn, entry in meta.entries.items():
             if isinstance(entry, TensorEntry):
@@ -381,19 +388,20 @@ def _chunk_tensor(src: DcpSource, z: TorchZip, e: TensorEntry, c: Chunk, what: s
     byte order, which chunks of one shape share: each such case is unpickled and checked once per
     :func:`open_dcp` (``seen``); every chunk's data.pkl is still read and CRC-checked."""
     data = _pickle_bytes(z, f"tensor {e.fqn}'s {what}")
-    known = seen.get((data, e.dtype, c.sizes, z.byteorder))
+    sizes = c.sizes if c.saved is None else c.saved
+    known = seen.get((data, e.dtype, sizes, z.byteorder))
     if known is not None:
         return known
     t = lp.tensor_of(_unpickled(z, data, f"tensor {e.fqn}'s {what}"))
     if t is None:
         raise CheckpointFormatError(f"{src.folder}: tensor {e.fqn}'s {what} holds no tensor")
-    if t.dtype != e.dtype or t.shape != c.sizes:
+    if t.dtype != e.dtype or t.shape != sizes:
         raise CheckpointFormatError(
-            f"{src.folder}: tensor {e.fqn}'s {what} is {t.dtype}{list(t.shape)}; .metadata says {e.dtype}{list(c.sizes)}"
+            f"{src.folder}: tensor {e.fqn}'s {what} is {t.dtype}{list(t.shape)}; .metadata says {e.dtype}{list(sizes)}"
         )
     if z.byteorder != "little" or not t.is_contiguous():
         raise NeedsTorch(f"tensor {e.fqn}'s {what} is {'big-endian' if z.byteorder != 'little' else 'not contiguous'}")
-    seen[(data, e.dtype, c.sizes, z.byteorder)] = t
+    seen[(data, e.dtype, sizes, z.byteorder)] = t
     return t
 
 

@@ -187,7 +187,10 @@ def write_shards(
     """
     bad = [f"{k} ({type(v).__name__})" for k, v in state.items() if not isinstance(v, Entry)]
     if bad:
-        raise ArgumentError(f"{source}: Hugging Face shards hold only tensors; not tensors: {summarize(bad)}")
+        raise ArgumentError(
+            f"{source}: Hugging Face shards hold only tensors; not tensors: {summarize(bad)}; write a torch file "
+            "(DST ending in .pt), which holds them too"
+        )
     written = plan(state, max_shard_size=max_shard_size, views=views)
 
     def write_shard(f: BinaryIO, names: list[str], meta: dict[str, str]) -> None:

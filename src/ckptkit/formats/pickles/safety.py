@@ -84,6 +84,8 @@ def _torch_allowed() -> tuple[set[str], bool]:
 
 def filter_unsafe(names: Sequence[str], allow: AllowGlobals = ()) -> list[str]:
     """The names torch's weights-only unpickler would refuse, less those in ``allow``."""
+    if not names:  # no global to judge: torch's allowlist is not needed (nor torch imported for it)
+        return []
     allowed, fallback = _torch_allowed()
     allowed.update(global_name(g) for g in resolve_globals(allow))
     return [g for g in names if g not in allowed and not (fallback and g.startswith("torch."))]
