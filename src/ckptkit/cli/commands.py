@@ -128,6 +128,12 @@ def _rules(f: Any) -> list[str]:
     "merge_and_unload() (one weight in memory at a time); refused if check-adapter flags it.",
 )
 @click.option(
+    "--hf-llama",
+    metavar="CONFIG",
+    help="A torchtitan Llama as transformers loads it: HF names, wq/wk rows permuted for HF's rotary layout "
+    "(heads from CONFIG, the model's HF config.json, copied into a folder DST); the weights only.",
+)
+@click.option(
     "--unstack-layers",
     is_flag=True,
     help="For a megatron-core torch_dist folder: each layer of its stacked tensors under its own key "
@@ -161,6 +167,7 @@ def convert(
     zero_weights: Literal["fp32", "module"],
     dtype: Literal["bf16", "fp16", "fp32"] | None,
     merge_adapter: str | None,
+    hf_llama: str | None,
     unstack_layers: bool,
     sanitize: bool,
     as_json: bool,
@@ -202,6 +209,7 @@ def convert(
             sanitize=sanitize,
             merge_adapter=merge_adapter,
             unstack_layers=unstack_layers,
+            hf_llama=hf_llama,
             workers=workers,
             ranks=by_ranks,
         )

@@ -288,6 +288,8 @@ class WritePlan:
         workers: a sharded folder's shards split among this many processes, this one included.
         spread: with ``workers``, starts the others (the writer keeps the first share).
         part: in a worker, its share: only those shard files are written.
+        extra: other files a folder output holds (``config.json``), by name: written with the
+            shards, before the index.
     """
 
     max_shard_size: int = 0
@@ -297,3 +299,4 @@ class WritePlan:
     workers: int = 1
     spread: Spread | None = None
     part: Part | None = None
+    extra: dict[str, bytes] = field(default_factory=dict)

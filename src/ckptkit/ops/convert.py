@@ -30,6 +30,7 @@ from ..formats.spec import CheckpointFormat, Part, View, WritePlan
 from ..formats.torchzip import modulepickle as mp
 from ..io.atomicdir import check_folder_destination
 from ..io.store import locate
+from ..model.hf_llama import LlamaConfig
 from ..prefix import parse_rules
 from .convert_job import Job, TorchView, fast_cast, staged_convert
 from .reports import ConvertReport
@@ -106,6 +107,7 @@ def convert_checkpoint(
     sanitize: bool = False,
     merge_adapter: str | os.PathLike[str] | None = None,
     unstack_layers: bool = False,
+    hf_llama: str | os.PathLike[str] | None = None,
     workers: int = 1,
     ranks: bool = False,
 ) -> ConvertReport:
@@ -181,6 +183,12 @@ def convert_checkpoint(
             (``decoder.layers.mlp.linear_fc1.weight``, ``[num_layers, ...]``): write each layer's
             slice under its own key (``decoder.layers.0.mlp.linear_fc1.weight``), and each layer's
             ``_extra_state`` likewise. Streamed, each byte checked, as any DCP copy is.
+        hf_llama: the Hugging Face ``config.json`` of a Llama that torchtitan trained: write its
+            weights as transformers' ``LlamaForCausalLM`` loads them, as torchtitan's
+            ``convert_to_hf`` does: transformers' names, each ``wq``/``wk`` head's rows permuted for
+            transformers' rotary layout (torch-free, one head's rows in memory at a time), the
+            output head left out where the config ties it; the weights alone (``model_only``), and
+            ``config.json`` copied into a folder ``dst``. A weight that is not a Llama's is refused.
         workers: for a folder of Hugging Face shards, write the shards with this many processes
             at once (this one and ``workers - 1`` spawned ones, each checking what it copies); the
             index is written once all are done, and a failure in any leaves no folder. Where
@@ -253,6 +261,7 @@ def _convert(
     sanitize: bool,
     merge_adapter: str | os.PathLike[str] | None,
     unstack_layers: bool,
+    hf_llama: str | os.PathLike[str] | None,
     workers: int,
     part: Part | None = None,
     meetings: Ranks | None = None,
@@ -266,6 +275,8 @@ def _convert(
     if dtype is not None:
         target_dtype(dtype)  # a bad choice fails before any file is touched
     rules = parse_rules(rename)  # so does a bad rule
+    llama = LlamaConfig.read(hf_llama) if hf_llama is not None else None  # and a config that is not one
+    model_only = model_only or llama is not None  # transformers loads the weights alone
     if sanitize and not trust:
         raise ArgumentError(
             f"{spell('sanitize=True', '--sanitize')} rebuilds {src}'s pickled objects (argparse.Namespace, numpy "
@@ -320,12 +331,14 @@ def _convert(
             f"{spell('unstack_layers=True', '--unstack-layers')} splits the stacked layers of a DCP folder "
             f"megatron-core's torch_dist wrote; {src} is {in_fmt.name}: leave it out"
         )
-    job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules)
+    job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules, hf_llama=llama)
     if merge_adapter is not None:  # checked against the source before anything is written
         from .merge import Merge  # deferred: a merge needs torch, a plain convert does not
 
         job.merging = Merge.read(merge_adapter, source, trust=trust, allow_globals=allow_globals)
     job.plan = WritePlan(max_shard_size=limit, source=str(source), workers=workers, part=part)
+    if llama is not None and folder:
+        job.plan.extra = {"config.json": llama.text}
     if workers > 1:  # the same convert in each, with its share of the shards (workers=1: they start none)
         job.workers = Workers(_convert, src, dst, given | {"workers": 1}, progress=lambda n: _tell(job.plan, n))
         job.plan.spread = job.workers
@@ -447,6 +460,7 @@ def _copy(
 
         job.merging.merged.clear()
         job.merge = fast_merge(view, job.merging)
-    job.plan.copy_storages = job.casting is None and job.merging is None  # storages as they are: nothing changed
+    # storages as they are where nothing changes them
+    job.plan.copy_storages = job.casting is None and job.merging is None and job.hf_llama is None
     job.sanitize = sanitize
     return job.run(view)

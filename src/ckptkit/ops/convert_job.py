@@ -28,6 +28,7 @@ from ..formats.source import checkpoint_bytes
 from ..formats.spec import CheckpointFormat, Info, View, WritePlan
 from ..io.atomic import atomic_write
 from ..io.store import Location
+from ..model.hf_llama import LlamaConfig, PermutedRows, permute_tensor, to_hf_llama
 from ..model.layout import TOP, find_model_state, prefix_of, replace_at
 from ..model.unwrap import without_averaged_count
 from ..prefix import Rule, rename_keys, rewrite_prefixes
@@ -102,6 +103,7 @@ class Job:
     model_only: bool
     key: str | None
     rename: list[Rule] = field(default_factory=list)  # --rename, after the prefixes
+    hf_llama: LlamaConfig | None = None  # --hf-llama: torchtitan's Llama as transformers', after the renames
     plan: WritePlan = field(default_factory=WritePlan)
     casting: Cast | None = None  # --dtype: what it cast, once written
     cast: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None  # the weights, cast (--dtype)
@@ -125,6 +127,11 @@ class Job:
         merged = self.merge(state) if self.merge is not None else state
         new_state: Mapping[str, Any] = rewrite_prefixes(merged, to=self.to, strip=self.strip, add=self.add)
         new_state, unmatched_rules = rename_keys(new_state, self.rename) if self.rename else (new_state, [])
+        kept, tied_head = list(state), list[str]()  # the source's names of what is written
+        if self.hf_llama is not None:
+            renamed = list(new_state)
+            new_state, tied_head = _to_hf_llama(view, new_state, self.hf_llama, str(self.source))
+            kept = [k for k, name in zip(kept, renamed, strict=True) if name not in tied_head]
         if self.cast is not None:  # after renaming: the report names tensors as they are written
             new_state = self.cast(new_state)
         if path == (TOP,):  # torchtitan: the weights among the top level's entries
@@ -169,10 +176,20 @@ class Job:
                 self.merging.merged[:] = [k for k in state if k in done]
         # Names as the source spells them: key="student." selected them with the prefix removed.
         chosen = prefix_of(path)
-        names = [chosen + k for k in state]
+        names = [chosen + k for k in kept]
         before, after = renamed_prefixes(names, list(new_state))
         notes = [note] if self.source.is_file() and (note := shard_note(self.source)) else []
         notes += [f"rename rule '{r}' matched no weight's name" for r in unmatched_rules]
+        if self.hf_llama is not None and not self.plan.extra:
+            notes.append(
+                f"config.json is not written beside a file: transformers reads a model's folder (config.json and "
+                f"its weights); copy it beside {self.dest.name}, or end DST with / to write the folder"
+            )
+        notes += [
+            f"{name} not written: config.json ties lm_head to the embedding (tie_word_embeddings), so transformers "
+            "takes it from model.embed_tokens, as torchtitan's to_hf leaves it out"
+            for name in tied_head
+        ]
         described = sorted(k for k in view.output_metadata() if k != "format" and not k.startswith("ckptkit."))
         if described and self.out_fmt.keeps_metadata and any(a != b for a, b in zip(names, new_state, strict=True)):
             notes.append(
@@ -247,6 +264,18 @@ class Job:
             written = write(f, view, obj, state, self.plan)
             view.damage.raise_if_any()
         return written
+
+
+def _to_hf_llama(
+    view: View, state: Mapping[str, Any], config: LlamaConfig, source: str
+) -> tuple[dict[str, Any], list[str]]:
+    """``state`` as transformers' Llama (:func:`~ckptkit.model.hf_llama.to_hf_llama`): torch
+    tensors permuted in memory on the torch path, else each attention weight's rows reordered
+    as it is copied."""
+    if isinstance(view, TorchView):
+        return to_hf_llama(state, config, permute=permute_tensor, source=source)
+    entries = {name: view.entry(v, name) if view.is_leaf(v) else v for name, v in state.items()}
+    return to_hf_llama(entries, config, permute=lambda e, heads: PermutedRows(e, heads), source=source)
 
 
 def fast_cast(view: View, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str, Any]]:

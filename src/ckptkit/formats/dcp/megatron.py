@@ -17,12 +17,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import CheckpointFormatError, spell
+from ...io.fileio import small_json
 from ..producers import Producer
 from .meta import BytesEntry, Chunk, DcpMetadata, TensorEntry
 
@@ -42,11 +42,7 @@ def _FLAG() -> str:  # noqa: N802 - the option, as the caller spells it
 
 def megatron_backend(folder: Path) -> str | None:
     """``metadata.json``'s ``sharded_backend`` (``"torch_dist"``) where megatron-core wrote the folder."""
-    try:
-        with open(folder / MEGATRON_CONFIG, "rb") as f:
-            config = json.loads(f.read(_MAX_CONFIG))
-    except (OSError, ValueError):
-        return None
+    config = small_json(folder / MEGATRON_CONFIG, limit=_MAX_CONFIG)
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
     return backend if isinstance(backend, str) else None
 

@@ -85,6 +85,11 @@ def write_folder(
         return
     spread = plan.spread if plan is not None else None
     with atomic_folder(dest, check=lambda tmp: check_written(tmp, HF, dest=dest)) as tmp:
+        for name, data in (plan.extra if plan is not None else {}).items():  # config.json
+            with open(tmp / name, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         shares = (
             _shares(written, sizes or {}, min(plan.workers, len(written.files)))
             if plan is not None and spread is not None
