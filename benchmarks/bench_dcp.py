@@ -139,6 +139,12 @@ def main() -> int:
         help="only the folder -> one file and the same weights' one file -> one file, alternated; "
         "prints every run's time (this disk's 2-3 s outliers hide a 5%% difference in medians)",
     )
+    ap.add_argument(
+        "--folder-only",
+        action="store_true",
+        help="only the folder's rows, without the same weights as one file, each output removed after its run "
+        "(for big --gib on a small disk)",
+    )
     args = ap.parse_args()
     compile_ckptkit()
     scratch = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckptkit-bench-dcp-"))
@@ -149,7 +155,8 @@ def main() -> int:
         copy, out, shards = scratch / "copy.dcp", scratch / "single.pt", scratch / "hf"
         flat, flat_copy, flat_out = scratch / "flat.pt", scratch / "flat_copy.pt", scratch / "flat_out.pt"
         ckptkit = [sys.executable, "-m", "ckptkit.cli", "convert"]
-        if not args.only_memory:  # the same weights in one file, for the single-file baseline
+        single_file = not args.only_memory and not args.folder_only
+        if single_file:  # the same weights in one file, for the single-file baseline
             subprocess.run([*ckptkit, str(src), str(flat)], check=True, capture_output=True)
         dcp_in, pt_in = list(src.iterdir()), [flat]
         # (name, command, output to clear, inputs to re-read, baseline rows: cp, cp && sync)
@@ -175,6 +182,9 @@ def main() -> int:
                 ("cp -r ckpt.dcp", ["cp", "-r", str(src), str(copy)], copy, dcp_in, ""),
                 ("cp -r ckpt.dcp && sync", ["sh", "-c", f"cp -r {src} {copy} && sync {copy}/*"], copy, dcp_in, ""),
                 *cases,
+            ]
+        if single_file:
+            cases += [
                 ("cp single.pt", ["cp", str(flat), str(flat_copy)], flat_copy, pt_in, ""),
                 (
                     "cp single.pt && sync",
@@ -209,6 +219,8 @@ def main() -> int:
                 print(f"run {len(times[name]) + 1}: {name}: {t:.3f} s", flush=True)
             times[name].append(t)
             mems[name] = max(mems[name], m)
+            if args.folder_only:  # one output on disk at a time, beside the folder
+                _clear(target)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         base = {"dcp": ("cp -r ckpt.dcp", "cp -r ckpt.dcp && sync"), "pt": ("cp single.pt", "cp single.pt && sync")}
         print(
