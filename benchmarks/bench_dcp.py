@@ -89,7 +89,7 @@ def _save_rank_2d(rank: int, world: int, rdzv: str, folder: str, gib: float) -> 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     d, vocab, ff, layers = gpt_dims(gib)
     shapes = {"embed.weight": (vocab, d), "head.weight": (vocab, d), "ln_f.weight": (d,), "ln_f.bias": (d,)}
@@ -105,7 +105,11 @@ def _save_rank_2d(rank: int, world: int, rdzv: str, folder: str, gib: float) -> 
         for i, (name, shape) in enumerate(shapes.items()):
             full = torch.randn(shape, generator=g)
             grid = [Shard(0), Shard(1)] if i % 2 else [Shard(1), Shard(0)]
-            state[name] = distribute_tensor(full, mesh, grid if len(shape) == 2 else [Shard(0), Replicate()])
+            placements = grid if len(shape) == 2 else [Shard(0), Replicate()]
+            dt = distribute_tensor(full, mesh, placements)
+            # a Shard(0) piece is a view of the full tensor, which it would keep alive: a copy holds only the piece
+            local = dt.to_local().clone()
+            state[name] = DTensor.from_local(local, mesh, placements, shape=dt.shape, stride=dt.stride())
         dcp.save(state, checkpoint_id=folder)
         dist.barrier()
     finally:
