@@ -97,6 +97,10 @@ def _save_rank_2d(rank: int, world: int, rdzv: str, folder: str, gib: float) -> 
         block = {"qkv.weight": (3 * d, d), "proj.weight": (d, d), "up.weight": (ff, d), "down.weight": (d, ff)}
         block |= {"qkv.bias": (3 * d,), "proj.bias": (d,), "up.bias": (ff,), "down.bias": (d,)}
         shapes |= {f"layers.{i}.{k}": v for k, v in block.items()}
+    # Each rank's pieces live in files it maps shared: the kernel can write them back and drop
+    # them, so four ranks' pieces of a model as large as the machine's RAM need not fit in it.
+    pieces = Path(folder).parent / f"pieces-{rank}"
+    pieces.mkdir(exist_ok=True)
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (2, 2))
@@ -107,13 +111,15 @@ def _save_rank_2d(rank: int, world: int, rdzv: str, folder: str, gib: float) -> 
             grid = [Shard(0), Shard(1)] if i % 2 else [Shard(1), Shard(0)]
             placements = grid if len(shape) == 2 else [Shard(0), Replicate()]
             dt = distribute_tensor(full, mesh, placements)
-            # a Shard(0) piece is a view of the full tensor, which it would keep alive: a copy holds only the piece
-            local = dt.to_local().clone()
-            state[name] = DTensor.from_local(local, mesh, placements, shape=dt.shape, stride=dt.stride())
+            local = dt.to_local()
+            piece = torch.from_file(str(pieces / str(i)), shared=True, size=local.numel()).view(local.shape)
+            piece.copy_(local)  # a Shard(0) piece was a view that kept the full tensor alive
+            state[name] = DTensor.from_local(piece, mesh, placements, shape=dt.shape, stride=dt.stride())
         dcp.save(state, checkpoint_id=folder)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        shutil.rmtree(pieces, ignore_errors=True)
 
 
 def make_dcp(folder: Path, gib: float, *, mesh: bool = False) -> None:
