@@ -126,6 +126,9 @@ def make_dcp(folder: Path, gib: float, *, mesh: bool = False) -> None:
     import torch.multiprocessing as mp
 
     ranks, save = (4, _save_rank_2d) if mesh else (2, _save_rank)
+    # glibc raises its mmap threshold as large blocks are freed, then keeps freed tensors in its
+    # heap: each rank's full tensors, built and dropped one by one, added up to the model's size.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # read by the ranks' C library at start
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(save, args=(ranks, os.path.join(tmp, "rdzv"), str(folder), gib), nprocs=ranks, join=True)
 
