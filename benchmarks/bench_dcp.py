@@ -129,8 +129,11 @@ def make_dcp(folder: Path, gib: float, *, mesh: bool = False) -> None:
     # glibc raises its mmap threshold as large blocks are freed, then keeps freed tensors in its
     # heap: each rank's full tensors, built and dropped one by one, added up to the model's size.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # read by the ranks' C library at start
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(save, args=(ranks, os.path.join(tmp, "rdzv"), str(folder), gib), nprocs=ranks, join=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(save, args=(ranks, os.path.join(tmp, "rdzv"), str(folder), gib), nprocs=ranks, join=True)
+    finally:  # the commands timed afterwards run as users run them
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
 
 
 def _clear(path: Path) -> None:
