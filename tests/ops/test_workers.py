@@ -41,6 +41,7 @@ def _report(report: Any) -> dict[str, Any]:
         ("ddp.pt", {"to": "ddp"}),
         ("hf/safetensors", {"model_only": True}),
         ("merge", {}),  # an adapter merged in: each worker merges its share
+        ("hf-llama", {}),  # torchtitan's Llama for transformers: rows permuted by each worker, config.json once
     ],
 )
 @pytest.mark.parametrize("workers", [2, 3])
@@ -49,6 +50,10 @@ def test_workers_write_the_folder_and_report_one_process_writes(
 ) -> None:
     if source == "merge":
         src, options = BASE, {"merge_adapter": ADAPTER}
+    elif source == "hf-llama":
+        config = tmp_path / "config.json"
+        config.write_text('{"num_attention_heads": 2}')
+        src, options = fixtures_dir / "frameworks" / "torchtitan" / "step-2", {"hf_llama": config}
     else:
         src = fixtures_dir / source
     told: dict[str, list[tuple[int, int]]] = {"one": [], "many": []}
