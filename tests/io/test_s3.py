@@ -680,7 +680,7 @@ def test_a_part_corrupted_on_the_way_fails_the_write_and_leaves_no_object(
 
     def corrupting(method: str, kwargs: dict[str, Any]) -> None:
         if method == "upload_part" and kwargs["PartNumber"] == 2:
-            body = bytearray(kwargs["Body"])
+            body = bytearray(kwargs["Body"].read())  # a part's body is a file over its bytes
             body[1000] ^= 0x10  # one bit, after ckptkit computed the part's CRC-32
             kwargs["Body"] = bytes(body)
 

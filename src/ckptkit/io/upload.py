@@ -3,10 +3,10 @@
 The commit is what the store offers: one PUT, or the completion of a multipart upload. A
 failure or an interrupt before it aborts the upload (fsspec's file would commit what it has
 when closed), so a URL shows the previous object or the new one whole, never part of one.
-Memory stays bounded: one part is held at a time. A writer killed mid-upload (kill -9 runs no
-cleanup code) leaves its multipart upload open, stored and billed: the next write to that key
-aborts it (a bucket lifecycle rule, AbortIncompleteMultipartUpload, removes those of keys that are
-never written again).
+Memory stays bounded: each part in flight is a file over its bytes, read once by the HTTP client
+as it sends it. A writer killed mid-upload (kill -9 runs no cleanup code) leaves its multipart
+upload open, stored and billed: the next write to that key aborts it (a bucket lifecycle rule,
+AbortIncompleteMultipartUpload, removes those of keys that are never written again).
 
 Example:
     >>> with staged_write("s3://bucket/single.pt") as local:  # doctest: +SKIP
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -258,17 +259,54 @@ def _send_parts(
     returns the parts as CompleteMultipartUpload lists them, and the CRC-32 of the bytes sent."""
 
     def send(i: int) -> tuple[dict[str, Any], int, int]:
-        data = os.pread(fd, part, i * part)
-        value = crc32(data)
+        body = _Range(fd, i * part, min(part, size - i * part))
+        value = 0
+        while chunk := body.read(_CRC_STEP):
+            value = crc32(chunk, value)
+        body.seek(0)
         extra = {"ChecksumCRC32": _b64(value)} if checked else {}
-        r = s3_call(fs, "upload_part", **upload, PartNumber=i + 1, Body=data, **extra)
-        return {"PartNumber": i + 1, "ETag": r["ETag"], **extra}, value, len(data)
+        r = s3_call(fs, "upload_part", **upload, PartNumber=i + 1, Body=body, **extra)
+        return {"PartNumber": i + 1, "ETag": r["ETag"], **extra}, value, body.length
 
     sent = in_flight(send, -(-size // part))
     value = 0
     for _, crc, length in sent:
         value = crc32_combine(value, crc, length)
     return [listed for listed, _, _ in sent], value
+
+
+_CRC_STEP = 1 << 20
+
+
+class _Range(io.RawIOBase):
+    """``length`` bytes of ``fd`` from ``start``, as a seekable file: a part's body. The HTTP
+    client reads a body it is given into memory once; given the part's bytes, it held a copy
+    beside them, two parts' worth per part in flight."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 def check_object(url: str, *, size: int, crc: int) -> None:
