@@ -94,11 +94,32 @@ def test_unstack_layers_refuses_what_it_cannot_split(fixtures_dir: Path, tmp_pat
         ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp", tmp_path / "a.pt", unstack_layers=True)
     with pytest.raises(ArgumentError, match="ddp.pt is torch-zip: leave it out"):
         ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "b.pt", unstack_layers=True)
-    folder = tmp_path / "one_chunk.dcp"  # four layers in one chunk: a layer is part of a chunk's bytes
-    dcp.save({"decoder.layers.w": torch.arange(12.0).reshape(4, 3)}, checkpoint_id=folder, no_dist=True)
-    with pytest.raises(CheckpointFormatError, match=r"decoder.layers.w's chunk at \[0, 0\] spans layers 0 to 3"):
-        ckptkit.convert_checkpoint(folder, tmp_path / "c.pt", unstack_layers=True)
     assert not any(p.name.endswith(".pt") for p in tmp_path.iterdir())
+
+
+def test_layers_in_one_chunk_are_unstacked_through_torch(tmp_path: Path) -> None:
+    # Was: refused; a chunk spanning layers sends the folder through torch's reader, which splits them
+    w = torch.arange(24.0).reshape(2, 3, 4)
+    folder = tmp_path / "one_chunk.dcp"
+    dcp.save(
+        {"decoder.layers.linear.weight": w, "embedding.weight": torch.ones(5, 4)}, checkpoint_id=folder, no_dist=True
+    )
+    report = ckptkit.convert_checkpoint(folder, tmp_path / "one.pt", unstack_layers=True)
+    assert not report.fast and "spans layers 0 to 1" in report.fallback_reason
+    got = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert sorted(got) == ["decoder.layers.0.linear.weight", "decoder.layers.1.linear.weight", "embedding.weight"]
+    assert all(torch.equal(got[f"decoder.layers.{i}.linear.weight"], w[i]) for i in range(2))
+
+
+def test_unstacked_keys_stay_where_the_state_dict_nests_them(tmp_path: Path) -> None:
+    w = torch.arange(24.0).reshape(2, 3, 4)
+    folder = tmp_path / "nested.dcp"
+    dcp.save({"model": {"decoder.layers.w": w, "decoder.final.w": torch.ones(3)}}, checkpoint_id=folder, no_dist=True)
+    # Was: the layers escaped "model" (and --model-only dropped them)
+    report = ckptkit.convert_checkpoint(folder, tmp_path / "m.pt", unstack_layers=True, model_only=True)
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert sorted(got) == ["decoder.final.w", "decoder.layers.0.w", "decoder.layers.1.w"], report
+    assert torch.equal(got["decoder.layers.1.w"], w[1])
 
 
 _MEGATRON_LOADS = """
@@ -148,6 +169,6 @@ def test_megatron_core_loads_the_weights_unstack_layers_writes(megatron: Path, t
         if isinstance(v, torch.Tensor):
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
             tensors += 1
-        elif k in got:  # extra state: megatron-core saves a layer's as a one-item list
+        elif "layers." in k:  # a layer's extra state: megatron-core saves it as a one-item list
             assert got[k] == [v], k
     assert tensors == sum(isinstance(v, torch.Tensor) for v in got.values()) == 29

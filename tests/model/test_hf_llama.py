@@ -102,7 +102,7 @@ def test_the_torch_path_permutes_as_the_stream_does(fixtures_dir: Path, tmp_path
     assert not torch_path.fast and stream.fast
     a, b = ckptkit.read_checkpoint(tmp_path / "a.safetensors"), ckptkit.read_checkpoint(tmp_path / "b.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert any("config.json is not written beside a file" in n for n in stream.notes)
+    assert any("config.json is not written into a safetensors output" in n for n in stream.notes)
 
 
 def test_a_tied_head_is_left_out_as_torchtitan_does(fixtures_dir: Path, tmp_path: Path) -> None:
@@ -121,7 +121,10 @@ def test_what_is_not_a_llama_is_refused_before_anything_is_written(fixtures_dir:
     with pytest.raises(ArgumentError, match="naming num_attention_heads"):
         ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", f"{tmp_path}/b/", hf_llama=_config(tmp_path, hidden_size=8))
     folder = fixtures_dir / "frameworks" / "torchtitan" / "step-2"
-    with pytest.raises(ArgumentError, match="8 rows do not split into 3 heads"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"layers.0.attention.wq.weight is \[8, 8\], which 3 heads \(.*config.json's num_attention_heads\)",
+    ):
         ckptkit.convert_checkpoint(folder, f"{tmp_path}/c/", hf_llama=_config(tmp_path, num_attention_heads=3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
 
@@ -211,3 +214,45 @@ def test_matches_torchtitans_converter_and_transformers_gives_its_logits(tmp_pat
     plain.load_state_dict({k: state[t] for k, t in zip(want, state, strict=True)})
     with torch.no_grad():
         assert (plain(tokens).logits - titan_logits).abs().max() > 0.1
+
+
+def test_config_json_mistakes_are_named(fixtures_dir: Path, tmp_path: Path) -> None:
+    folder = fixtures_dir / "frameworks" / "torchtitan" / "step-2"
+    with pytest.raises(ckptkit.errors.CheckpointNotFoundError, match="nosuch.json does not exist"):
+        ckptkit.convert_checkpoint(folder, f"{tmp_path}/a/", hf_llama=tmp_path / "nosuch.json")
+    with pytest.raises(ArgumentError, match="gives num_key_value_heads 0"):  # was: taken as num_attention_heads
+        ckptkit.convert_checkpoint(
+            folder, f"{tmp_path}/b/", hf_llama=_config(tmp_path, num_attention_heads=2, num_key_value_heads=0)
+        )
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text('{"num_attention_heads": 2}')
+    ckptkit.convert_checkpoint(folder, f"{tmp_path}/c/", hf_llama=assets)  # the HF assets folder holding it
+    # was: refused, config.json not being a Hugging Face weight file
+    ckptkit.convert_checkpoint(folder, f"{tmp_path}/c/", hf_llama=assets, force=True)
+    assert (tmp_path / "c" / "config.json").read_text() == '{"num_attention_heads": 2}'
+
+
+def test_two_weights_named_alike_are_refused(tmp_path: Path) -> None:
+    torch.save(
+        {
+            "tok_embeddings.weight": torch.ones(4, 2),
+            "output.weight": torch.zeros(4, 2),
+            "lm_head.weight": torch.ones(4, 2),
+        },
+        tmp_path / "t.pt",
+    )
+    with pytest.raises(ArgumentError, match="output.weight and lm_head.weight would both be written as lm_head.weight"):
+        ckptkit.convert_checkpoint(
+            tmp_path / "t.pt", tmp_path / "o.safetensors", hf_llama=_config(tmp_path, num_attention_heads=2)
+        )
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_the_torch_path_writes_config_json_into_a_folder(fixtures_dir: Path, tmp_path: Path) -> None:
+    config = _config(tmp_path, num_attention_heads=2)
+    report = ckptkit.convert_checkpoint(
+        fixtures_dir / "frameworks" / "torchtitan" / "step-2", f"{tmp_path}/hf/", hf_llama=config, trust=True
+    )
+    assert not report.fast  # was: written without config.json, and nothing said
+    assert (tmp_path / "hf" / "config.json").read_bytes() == config.read_bytes()

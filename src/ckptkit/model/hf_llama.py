@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -29,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import ArgumentError, CheckpointFormatError, spell, summarize
+from ..errors import ArgumentError, CheckpointFormatError, CheckpointNotFoundError, spell, summarize
 from ..formats.dtypes import BY_NAME
 from ..formats.entry import Entry
-from ..io.fileio import Progress, crc32, small_json
+from ..io.fileio import Progress, crc32, open_regular
 
+CONFIG = "config.json"  # a Hugging Face model's config, copied into a folder output
 _CONFIG_LIMIT = 1 << 20
 
 # torchtitan's names (0.3's, and before it wq/output without qkv_linear) -> transformers'; the
@@ -72,17 +74,22 @@ def rope_rows(rows: int, heads: int) -> list[int]:
     Raises:
         ArgumentError: ``rows`` is not ``heads`` heads of an even number of rows.
     """
-    if heads <= 0 or rows % heads or (rows // heads) % 2:
+    if not _splits(rows, heads):
         raise ArgumentError(f"{rows} rows do not split into {heads} heads of an even number of rows each")
     per = rows // heads
     half = per // 2
     return [h * per + 2 * j + i for h in range(heads) for i in range(2) for j in range(half)]
 
 
+def _splits(rows: int, heads: int) -> bool:
+    return heads > 0 and rows % heads == 0 and (rows // heads) % 2 == 0
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """What the transform needs of a Hugging Face Llama ``config.json``: the heads, the tie, its bytes."""
 
+    path: str
     heads: int
     kv_heads: int
     tied: bool
@@ -90,22 +97,42 @@ class LlamaConfig:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> LlamaConfig:
-        """Read ``config.json`` (LlamaConfig's fields).
+        """Read ``config.json`` (LlamaConfig's fields), or the one in the folder ``path``.
 
         Raises:
-            ArgumentError: not a readable JSON config naming its attention heads.
+            CheckpointNotFoundError: there is no such file.
+            ArgumentError: not a JSON config naming its attention heads.
         """
-        config = small_json(path, limit=_CONFIG_LIMIT)
-        heads = config.get("num_attention_heads") if isinstance(config, dict) else None
-        if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+        option = spell("hf_llama", "--hf-llama")
+        where = Path(path) / CONFIG if Path(path).is_dir() else Path(path)
+        try:
+            with open_regular(where) as f:
+                text = f.read(_CONFIG_LIMIT + 1)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{option}: {where} does not exist; give the config.json of the Hugging Face model the checkpoint "
+                "trains (from its HF assets)",
+                filename=str(where),
+            ) from None
+        try:
+            config = json.loads(text) if len(text) <= _CONFIG_LIMIT else None
+        except ValueError:
+            config = None
+        heads: Any = config.get("num_attention_heads") if isinstance(config, dict) else None
+        if not isinstance(config, dict) or not _count(heads):
             raise ArgumentError(
-                f"{spell('hf_llama', '--hf-llama')}: {path} is not a Hugging Face Llama config.json naming "
-                "num_attention_heads; give the config.json of the model the checkpoint trains (its HF assets)"
+                f"{option}: {where} is not a Hugging Face Llama config.json naming num_attention_heads; give the "
+                "config.json of the model the checkpoint trains (from its HF assets)"
             )
-        kv = config.get("num_key_value_heads") or heads
-        if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0:
-            raise ArgumentError(f"{path}: num_key_value_heads is {kv!r}, not a number of heads")
-        return cls(heads, kv, bool(config.get("tie_word_embeddings", False)), Path(path).read_bytes())
+        kv: Any = config.get("num_key_value_heads")
+        kv = heads if kv is None else kv
+        if not _count(kv):
+            raise ArgumentError(f"{option}: {where} gives num_key_value_heads {kv!r}, not a number of heads")
+        return cls(str(where), heads, kv, bool(config.get("tie_word_embeddings", False)), text)
+
+
+def _count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
 
 def to_hf_llama(
@@ -120,16 +147,34 @@ def to_hf_llama(
     """
     out: dict[str, Any] = {}
     unknown, left_out = [], []
+    source_of: dict[str, str] = {}
     for name, value in state.items():
         found = hf_name(name)
         if found is None:
             unknown.append(name)
             continue
         new, kind = found
+        if new in source_of:
+            raise ArgumentError(
+                f"{source}: {source_of[new]} and {name} would both be written as {new}; convert the weights of one "
+                "model (torchtitan names each weight once)"
+            )
+        source_of[new] = name
         if new == "lm_head.weight" and config.tied:
             left_out.append(name)
             continue
-        out[new] = permute(value, config.heads if kind == "q" else config.kv_heads) if kind else value
+        if kind:
+            heads, field_name = (
+                (config.heads, "num_attention_heads") if kind == "q" else (config.kv_heads, "num_key_value_heads")
+            )
+            shape = tuple(getattr(value, "shape", ()))
+            if len(shape) != 2 or not _splits(shape[0], heads):
+                raise ArgumentError(
+                    f"{source}: {name} is {list(shape)}, which {heads} heads ({config.path}'s {field_name}) do not "
+                    "split into rows of an even number each; give the config.json of the model this checkpoint trains"
+                )
+            value = permute(value, heads)
+        out[new] = value
     if unknown:
         raise ArgumentError(
             f"{source}: {spell('hf_llama', '--hf-llama')} knows torchtitan's Llama weights, not "

@@ -30,7 +30,7 @@ from ..formats.spec import CheckpointFormat, Part, View, WritePlan
 from ..formats.torchzip import modulepickle as mp
 from ..io.atomicdir import check_folder_destination
 from ..io.store import locate
-from ..model.hf_llama import LlamaConfig
+from ..model.hf_llama import CONFIG, LlamaConfig
 from ..prefix import parse_rules
 from .convert_job import Job, TorchView, fast_cast, staged_convert
 from .reports import ConvertReport
@@ -321,7 +321,7 @@ def _convert(
             f"{spell('max_shard_size', '--max-shard-size')}) to write shards, or leave {spell('workers', '--workers')} out"
         )
     if folder and part is None:
-        check_destination(source, dest, force=force)
+        check_destination(source, dest, force=force, extra=[CONFIG] if llama is not None else [])
     out_fmt = registry.get(HF) if folder else _check_paths(source, dest, force, format)
     in_fmt = registry.detect(source)
     check_zero_source(source, in_fmt.name, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
@@ -338,7 +338,7 @@ def _convert(
         job.merging = Merge.read(merge_adapter, source, trust=trust, allow_globals=allow_globals)
     job.plan = WritePlan(max_shard_size=limit, source=str(source), workers=workers, part=part)
     if llama is not None and folder:
-        job.plan.extra = {"config.json": llama.text}
+        job.plan.extra = {CONFIG: llama.text}
     if workers > 1:  # the same convert in each, with its share of the shards (workers=1: they start none)
         job.workers = Workers(_convert, src, dst, given | {"workers": 1}, progress=lambda n: _tell(job.plan, n))
         job.plan.spread = job.workers
@@ -365,11 +365,6 @@ def _convert(
         except NeedsTorch as e:
             reason = f"{e}: loaded with torch"
     job.workers = job.plan.spread = None  # the torch path writes alone: no worker's share of a fast try counts
-    if unstack_layers:  # the layers are split in the folder's metadata, which torch's reader does not see
-        raise ArgumentError(
-            f"{source} is read with torch here ({reason}), and {spell('unstack_layers=True', '--unstack-layers')} "
-            "splits layers only where ckptkit reads the folder itself; convert without it"
-        )
     if meetings is not None:  # the torch path loads the whole source into one process
         raise ArgumentError(
             f"{source} is read with torch here ({reason}), which loads it whole in one process: convert it "
@@ -387,6 +382,10 @@ def _convert(
         zero_weights=zero_weights,
         checked=True,  # refuse_failing ran above, before anything was read
     )
+    if unstack_layers:  # split here: the stream splits them in the folder's metadata
+        from ..formats.dcp.torch import unstack_tensors  # deferred with torch, as above
+
+        obj = unstack_tensors(obj, str(source))
     module = in_fmt.module_name(source) if trust and in_fmt.module_name is not None else ""
     if module:  # read by the same inert walk as untrusted: nothing of the pickle was run
         reason = "trusted file: its tensors were read through torch"

@@ -182,8 +182,9 @@ class Job:
         notes += [f"rename rule '{r}' matched no weight's name" for r in unmatched_rules]
         if self.hf_llama is not None and not self.plan.extra:
             notes.append(
-                f"config.json is not written beside a file: transformers reads a model's folder (config.json and "
-                f"its weights); copy it beside {self.dest.name}, or end DST with / to write the folder"
+                f"config.json is not written into a {self.out_fmt.name} output: transformers reads a Hugging Face "
+                f"folder (config.json and its weights); end DST with / (without a format) to write one, or copy "
+                "config.json beside the weights"
             )
         notes += [
             f"{name} not written: config.json ties lm_head to the embedding (tie_word_embeddings), so transformers "

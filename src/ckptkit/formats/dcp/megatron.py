@@ -18,12 +18,15 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...errors import CheckpointFormatError, spell
 from ...io.fileio import small_json
 from ..producers import Producer
+from ..source import NeedsTorch
 from .meta import BytesEntry, Chunk, DcpMetadata, TensorEntry
 
 MEGATRON_CONFIG = "metadata.json"  # beside .metadata: which backend wrote the folder
@@ -67,20 +70,41 @@ class Stacks:
         return f"{len(self.keys)} tensors stack the layers of {blocks} along dim 0"
 
 
-def stacks(meta: DcpMetadata) -> Stacks:
-    """The tensors whose first dim is a block's layer index (``decoder.layers.X``, X no layer number).
+def stacks(shapes: Mapping[str, tuple[int, ...]]) -> Stacks:
+    """The tensors (of ``shapes``: each tensor's key and shape) whose first dim is a block's layer
+    index (``decoder.layers.X``, X no layer number).
 
     A block's layer count is its stacked tensors' first dim, which all share; a block whose
     tensors disagree stacks nothing this reader can tell apart from a plain weight, and is left out.
     """
     found: dict[str, set[int]] = {}
     keys: dict[str, list[str]] = {}
-    for key, e in meta.entries.items():
-        if isinstance(e, TensorEntry) and e.shape and (m := _STACKED.match(key)):
-            found.setdefault(m["block"], set()).add(e.shape[0])
+    for key, shape in shapes.items():
+        if shape and (m := _STACKED.match(key)):
+            found.setdefault(m["block"], set()).add(shape[0])
             keys.setdefault(m["block"], []).append(key)
     layers = {b: next(iter(n)) for b, n in found.items() if len(n) == 1}
     return Stacks(layers, [k for b in layers for k in keys[b]])
+
+
+def _shapes(meta: DcpMetadata) -> dict[str, tuple[int, ...]]:
+    return {k: e.shape for k, e in meta.entries.items() if isinstance(e, TensorEntry)}
+
+
+def extra_state_key(key: str, found: Stacks) -> str | None:
+    """The key of one layer's ``_extra_state`` (``.../shard_{layer}_{layers}``) under its layer; None for any other key."""
+    m = _EXTRA.match(key)
+    block = _STACKED.match(m["key"]) if m else None
+    if m and block and found.layers.get(block["block"]) == int(m["layers"]):
+        return layer_key(m["key"], int(m["layer"]))
+    return None
+
+
+def no_stacks(folder: str | Path) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{folder}: no tensor stacks layers (keys such as decoder.layers.mlp.linear_fc1.weight, the layer index "
+        f"first, as megatron-core's torch_dist saves them): leave {_FLAG()} out"
+    )
 
 
 def unstack(folder: Path, meta: DcpMetadata) -> tuple[DcpMetadata, Stacks]:
@@ -91,41 +115,43 @@ def unstack(folder: Path, meta: DcpMetadata) -> tuple[DcpMetadata, Stacks]:
         CheckpointFormatError: nothing is stacked, or a chunk spans more than one layer (Megatron
             saves each layer as its own chunk; a copy through it would have to split a chunk).
     """
-    found = stacks(meta)
+    found = stacks(_shapes(meta))
     if not found.keys:
-        raise CheckpointFormatError(
-            f"{folder}: no tensor stacks layers (keys such as decoder.layers.mlp.linear_fc1.weight, the layer index "
-            f"first, as megatron-core's torch_dist saves them): leave {_FLAG()} out"
-        )
+        raise no_stacks(folder)
     stacked = set(found.keys)
     entries: dict[str, TensorEntry | BytesEntry] = {}
     paths: dict[str, tuple[str | int, ...]] = {}
     for key, e in meta.entries.items():
+        path = meta.paths.get(key, (key,))
         if key in stacked and isinstance(e, TensorEntry):
             for layer in range(e.shape[0]):
                 new = layer_key(key, layer)
                 entries[new] = TensorEntry(new, e.dtype, e.shape[1:], _layer_chunks(folder, e, layer))
-                paths[new] = (new,)
-            continue
-        m = _EXTRA.match(key)
-        block = _STACKED.match(m["key"]) if m else None
-        if m and block and found.layers.get(block["block"]) == int(m["layers"]) and isinstance(e, BytesEntry):
-            new = layer_key(m["key"], int(m["layer"]))
-            entries[new], paths[new] = BytesEntry(new, e.stored), (new,)
-            continue
-        entries[key], paths[key] = e, meta.paths.get(key, (key,))
+                paths[new] = _moved(path, new, lambda last, layer=layer: layer_key(last, layer))  # type: ignore[misc]
+        elif isinstance(e, BytesEntry) and (extra := extra_state_key(key, found)) is not None:
+            entries[extra] = BytesEntry(extra, e.stored)
+            paths[extra] = _moved(path, extra, lambda last: extra_state_key(last, found))
+        else:
+            entries[key], paths[key] = e, path
     return DcpMetadata(entries, paths), found
+
+
+def _moved(path: tuple[str | int, ...], new: str, rename: Any) -> tuple[str | int, ...]:
+    """``path`` (a key's place in the nested state dict) with its last part renamed as its key
+    is: a key nested under ``model`` stays there."""
+    last = path[-1] if path else None
+    renamed = rename(last) if isinstance(last, str) and _STACKED.match(last.split("/shard_")[0]) else None
+    return (*path[:-1], renamed) if isinstance(renamed, str) else (new,)
 
 
 def _layer_chunks(folder: Path, e: TensorEntry, layer: int) -> tuple[Chunk, ...]:
     chunks = []
     for c in e.chunks:
         if c.offsets[0] <= layer < c.offsets[0] + c.sizes[0]:
-            if c.sizes[0] != 1:
-                raise CheckpointFormatError(
-                    f"{folder}: tensor {e.fqn}'s chunk at {list(c.offsets)} spans layers {c.offsets[0]} to "
-                    f"{c.offsets[0] + c.sizes[0] - 1}; {_FLAG()} reads folders that save each layer as its "
-                    "own chunk, as megatron-core does: convert without it and split the layers afterwards"
+            if c.sizes[0] != 1:  # a layer is part of a chunk's bytes: torch's reader splits the tensor
+                raise NeedsTorch(
+                    f"tensor {e.fqn}'s chunk at {list(c.offsets)} spans layers {c.offsets[0]} to "
+                    f"{c.offsets[0] + c.sizes[0] - 1}"
                 )
             chunks.append(Chunk(c.offsets[1:], c.sizes[1:], c.stored, saved=c.sizes))
     return tuple(chunks)
@@ -136,7 +162,7 @@ def megatron_producer(folder: Path, meta: DcpMetadata) -> Producer | None:
     backend = megatron_backend(folder)
     if backend is None:
         return None
-    found = stacks(meta)
+    found = stacks(_shapes(meta))
     notes = []
     if found.keys:
         notes.append(

@@ -45,6 +45,7 @@ from ..source import NeedsTorch
 from ..spec import Placement, WritePlan
 from . import DAMAGED, unsafe_metadata_globals
 from .keys import key_paths
+from .megatron import extra_state_key, layer_key, no_stacks, stacks
 from .meta import BytesEntry, Chunk, DcpMetadata, Stored, TensorEntry, dims, unstored
 
 
@@ -366,3 +367,39 @@ def write(target: BinaryIO | Path, obj: Any, state: Any, *, dest: Path, plan: Wr
     """``obj`` as a DCP folder at ``target``, through DCP's own writer."""
     assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
     return write_dcp(obj, target)
+
+
+def unstack_tensors(obj: Any, source: str) -> Any:
+    """A folder torch's reader loaded, each stacked layer a tensor of its own and each layer's
+    ``_extra_state`` under its layer, at whatever level of the state dict they are, as
+    :func:`~.megatron.unstack` lays the metadata out for the stream (where a layer is part of a
+    chunk, or a value holds tensors, the folder is read here).
+
+    Raises:
+        CheckpointFormatError: nothing is stacked.
+    """
+    split = 0
+
+    def walk(node: Any) -> Any:
+        nonlocal split
+        if not isinstance(node, dict):
+            return node
+        found = stacks(
+            {k: tuple(v.shape) for k, v in node.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+        )
+        stacked = set(found.keys)
+        out: dict[Any, Any] = {}
+        for key, value in node.items():
+            if key in stacked:  # each layer a copy: a view would keep (and a writer store) the whole stack
+                out |= {layer_key(key, i): value[i].clone() for i in range(value.shape[0])}
+                split += 1
+            elif isinstance(key, str) and (extra := extra_state_key(key, found)) is not None:
+                out[extra] = value
+            else:
+                out[key] = walk(value)
+        return out
+
+    result = walk(obj)
+    if not split:
+        raise no_stacks(source)
+    return result

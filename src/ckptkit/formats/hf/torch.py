@@ -28,23 +28,24 @@ from .index import check_shard_keys, read_index
 from .write import Written, write_shards
 
 
-def save_shards(state: Mapping[str, Any], dest: Path, *, max_shard_size: int) -> Written:
-    """Write a state dict of tensors as huggingface_hub's sharded safetensors folder at ``dest``.
+def save_shards(state: Mapping[str, Any], dest: Path, *, max_shard_size: int, plan: WritePlan | None = None) -> Written:
+    """Write a state dict of tensors as huggingface_hub's sharded safetensors folder at ``dest``
+    (with ``plan``'s other files, ``config.json``).
 
     Raises:
         ArgumentError: a value is not a tensor.
     """
     tensors = entries(state)
     try:
-        return write_shards(dest, tensors, max_shard_size=max_shard_size, source=str(dest))
+        return write_shards(dest, tensors, max_shard_size=max_shard_size, source=str(dest), write_plan=plan)
     except NeedsTorch:  # views of one storage, not the same one: each is stored as its own tensor
-        return write_shards(dest, tensors, max_shard_size=max_shard_size, source=str(dest), views=True)
+        return write_shards(dest, tensors, max_shard_size=max_shard_size, source=str(dest), views=True, write_plan=plan)
 
 
 def write(target: BinaryIO | Path, obj: Any, state: Any, *, dest: Path, plan: WritePlan) -> Written:
     """The weights ``state`` as a sharded safetensors folder at ``target``."""
     assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
-    return save_shards(state, target, max_shard_size=plan.max_shard_size)
+    return save_shards(state, target, max_shard_size=plan.max_shard_size, plan=plan)
 
 
 def read(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -44,10 +44,12 @@ class Written:
     tied: dict[str, str]
 
 
-def check_destination(src: Path, dest: Path, *, force: bool) -> None:
-    """Raise unless ``dest`` may become a sharded folder (see :func:`.atomicdir.check_folder_destination`)."""
+def check_destination(src: Path, dest: Path, *, force: bool, extra: Iterable[str] = ()) -> None:
+    """Raise unless ``dest`` may become a sharded folder (see :func:`.atomicdir.check_folder_destination`);
+    ``extra``: the other files the folder is written with (``config.json``), which ``force`` replaces too."""
+    also = set(extra)
     check_folder_destination(
-        src, dest, force=force, owned=lambda n: bool(HF_FILE.match(n)), what="Hugging Face weight files"
+        src, dest, force=force, owned=lambda n: bool(HF_FILE.match(n)) or n in also, what="Hugging Face weight files"
     )
 
 
