@@ -20,6 +20,7 @@ import ckptkit
 from ckptkit.errors import ArgumentError
 from ckptkit.formats.entry import Bytes
 from ckptkit.model.hf_llama import PermutedRows, rope_rows
+from tests.torchcompat import SAVE_ALONE
 from tests.torchfree import run_torch_free
 
 
@@ -179,7 +180,7 @@ def test_matches_torchtitans_converter_and_transformers_gives_its_logits(tmp_pat
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     state = model.state_dict()
-    dcp.save(state, checkpoint_id=tmp_path / "step-10", no_dist=True)
+    dcp.save(state, checkpoint_id=tmp_path / "step-10", **SAVE_ALONE)
     hf_config = transformers.LlamaConfig(
         vocab_size=size["vocab"],
         hidden_size=size["dim"],
