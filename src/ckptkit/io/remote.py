@@ -5,7 +5,8 @@ check a file in a staging folder (``$CKPTKIT_STAGING``, else the system's temp f
 then uploaded in parts and committed by what the store offers (one PUT, or the completion of a
 multipart upload; any failure aborts the upload instead, so the previous object stays), and read
 back (size and CRC-32) before success is reported. Reading a URL streams it, in ranged GETs, into
-a staging file the local readers open. Memory stays bounded at any size: one part at a time.
+a staging file the local readers open. Memory stays bounded at any size: a few parts (or pieces
+of a GET's stream) in flight.
 
 fsspec (and s3fs for ``s3://``) is imported only when a URL is given: ``pip install 'ckptkit[s3]'``.
 Errors raised inside a staged block name the URL, not the staging file. Writing: :mod:`.upload`.
@@ -42,8 +43,10 @@ from .fileio import crc32
 
 T = TypeVar("T")
 
-PART_SIZE = 32 << 20  # one upload part, one ranged GET: what is held in memory (S3's parts are 5 MiB at least)
+PART_SIZE = 32 << 20  # one upload part, the least a ranged GET asks for (S3's parts are 5 MiB at least)
 PARTS_IN_FLIGHT = 4  # parts sent or fetched at once (CKPTKIT_S3_PARTS): memory holds this many parts
+RANGE_MAX = 1 << 30  # the most one ranged GET of a download asks for (read as a stream, PIECE at a time)
+PIECE = 8 << 20  # what a download's GET is read in: memory holds one piece per GET in flight
 
 CRC_KEY = "ckptkit-crc32"  # user metadata on objects ckptkit writes: the CRC-32 a later read is held against
 _SMALL = 1 << 16  # the most a pointer object may hold
@@ -165,7 +168,8 @@ def protocols(fs: Any) -> tuple[str, ...]:
 
 def parts_in_flight() -> int:
     """How many parts an upload sends, or a download fetches, at once: ``$CKPTKIT_S3_PARTS``, else
-    :data:`PARTS_IN_FLIGHT`. Memory holds that many parts (of :data:`PART_SIZE` each) at most.
+    :data:`PARTS_IN_FLIGHT`. Memory holds that many parts (of :data:`PART_SIZE` each, or pieces of
+    a GET's stream, :data:`PIECE` each) at most.
 
     Raises:
         ArgumentError: the variable is set to something other than a positive integer.
@@ -204,36 +208,78 @@ def in_flight(work: Callable[[int], T], count: int) -> list[T]:
 
 
 def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
-    """CRC-32 of the object's ``size`` bytes, read in ranged GETs of a part each, several at once
-    (:func:`in_flight`), each written into the file ``sink`` at its offset (None: only counted)."""
+    """CRC-32 of the object's ``size`` bytes, read in ranged GETs, several at once
+    (:func:`in_flight`), each written into the file ``sink`` at its offset (None: only counted).
+
+    On S3, each GET covers an equal share of the object (at least :data:`PART_SIZE`, at most
+    :data:`RANGE_MAX`) and its body is read as a stream, :data:`PIECE` bytes at a time, so memory
+    holds one piece per GET in flight: few requests (some stores, moto among them, read the whole
+    object for each ranged GET) without holding a share in memory. Other stores: a GET per part."""
+    span = _span(fs, size)
 
     def fetch(i: int) -> tuple[int, int]:
-        at = i * PART_SIZE
-        end = min(at + PART_SIZE, size)
+        at = i * span
+        end = min(at + span, size)
+        value, pos = 0, at
         try:
-            data = fs.cat_file(key, start=at, end=end)
+            for piece in _ranged(fs, key, at, end):
+                if pos + len(piece) > end:
+                    break  # more than asked for: said below
+                if sink is not None:
+                    view = memoryview(piece)
+                    while view:  # pwrite may write less than asked
+                        view = view[os.pwrite(sink.fileno(), view, pos + len(piece) - len(view)) :]
+                value = crc32(piece, value)
+                pos += len(piece)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"{url}: the object went away while it was read; read it again", filename=url
             ) from None
-        except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
+        except Exception as e:  # noqa: BLE001 - the store's: OSError, botocore's or aiohttp's own
             raise StorageError(
-                f"{url}: reading bytes {at}-{end} failed ({e}); check the network and read it again"
+                f"{url}: reading bytes {at}-{end} failed ({one_line(e)}); check the network and read it again"
             ) from e
-        if len(data) != end - at:
+        if pos != end:
             raise StorageError(
-                f"{url}: asked for bytes {at}-{end}, got {len(data)}: the object changed while it was read; read it again"
+                f"{url}: asked for bytes {at}-{end}, got {pos - at}: the object changed while it was read; read it again"
             )
-        if sink is not None:
-            view = memoryview(data)
-            while view:  # pwrite may write less than asked
-                view = view[os.pwrite(sink.fileno(), view, at + len(data) - len(view)) :]
-        return crc32(data), len(data)
+        return value, end - at
 
     value = 0
-    for crc, length in in_flight(fetch, -(-size // PART_SIZE)):
+    for crc, length in in_flight(fetch, -(-size // span)):
         value = crc32_combine(value, crc, length)
     return value
+
+
+def _span(fs: Any, size: int) -> int:
+    """The bytes one ranged GET asks for (:func:`stream`)."""
+    if "s3" not in protocols(fs):
+        return PART_SIZE  # fsspec's cat_file holds a GET's bytes whole
+    return min(max(PART_SIZE, -(-size // parts_in_flight())), RANGE_MAX)
+
+
+def _ranged(fs: Any, key: str, start: int, end: int) -> Iterator[bytes]:
+    """Bytes ``start``-``end`` of the object, in pieces as they arrive."""
+    if "s3" not in protocols(fs):
+        yield fs.cat_file(key, start=start, end=end)
+        return
+    from fsspec.asyn import sync  # deferred with fsspec, as in filesystem()
+
+    bucket, path, version = fs.split_path(key)
+    got = s3_call(
+        fs,
+        "get_object",
+        Bucket=bucket,
+        Key=path,
+        Range=f"bytes={start}-{end - 1}",
+        **({"VersionId": version} if version else {}),
+    )
+    body = got["Body"]
+    try:
+        while piece := sync(fs.loop, body.read, PIECE):
+            yield piece
+    finally:
+        body.close()
 
 
 def download(url: str, local: Path) -> int:
