@@ -10,7 +10,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,24 +30,23 @@ from tests.conftest import ROOT
 moto_server = pytest.importorskip("moto.server", reason="moto is not installed: the tests need a local S3 server")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed: pip install 'ckptkit[s3]'")
 boto3 = pytest.importorskip("boto3", reason="boto3 (moto's dependency) is not installed")
+from tests import s3stores  # noqa: E402 - moto first, or skip
 
 BUCKET = "ckptkit-test"
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def _moto_server() -> tuple[Any, str]:
-    """A local S3 (moto) on a free port, started; and its endpoint."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server, f"http://127.0.0.1:{port}"
+# Whether each endpoint's store checks and echoes checksums (:mod:`tests.s3stores`).
+_CHECKS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    server, endpoint = _moto_server()
+@pytest.fixture(scope="session", params=[True, False], ids=["moto", "moto-without-checksums"])
+def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each S3 test runs against both stores: one that checks the CRC-32 a commit declares, one
+    that ignores it (then ckptkit reads the object back)."""
+    server, endpoint = s3stores.start(checksums=request.param)
+    _CHECKS[endpoint] = request.param
+    s3fs.S3FileSystem.clear_instance_cache()  # one made for the other store would keep its endpoint
     # botocore reads AWS_ENDPOINT_URL itself, so the CLI's subprocesses find the server too
     saved = {k: os.environ.get(k) for k in [*ENV, "AWS_ENDPOINT_URL"]}
     os.environ.update(ENV, AWS_ENDPOINT_URL=endpoint)
@@ -69,6 +67,12 @@ def prefix(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("CKPTKIT_STAGING", str(tmp_path / "staging"))
     (tmp_path / "staging").mkdir()
     return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def checked_by(s3_endpoint: str) -> str:
+    """How this store's commits are checked, as the report says it."""
+    return "the store's CRC-32 of the whole object" if _CHECKS[s3_endpoint] else "reading the object back"
 
 
 def _fs() -> Any:
@@ -584,7 +588,7 @@ def test_the_next_write_cleans_what_a_killed_uploader_left(prefix: str, s3_endpo
 @pytest.fixture
 def lost_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
     """A server of its own, for a test that stops it; s3fs's cached filesystems forgotten around it."""
-    server, endpoint = _moto_server()
+    server, endpoint = s3stores.start()
     monkeypatch.setattr(remote, "PART_SIZE", 5 << 20)
     monkeypatch.setenv("CKPTKIT_STAGING", str(tmp_path))
     with monkeypatch.context() as m:
@@ -655,15 +659,16 @@ def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
 
 
 # Was: every upload was read back whole after its commit (about one get_file more per write).
-def test_a_multipart_upload_is_checked_by_the_stores_crc_not_read_back(
-    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_multipart_upload_is_checked_by_the_stores_crc_else_read_back(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked_by: str
 ) -> None:
     torch.save(_state(), tmp_path / "ddp.pt")
     made = _calls(monkeypatch)
     report = ckptkit.convert_checkpoint(tmp_path / "ddp.pt", f"{prefix}/out.pt")
-    assert f"{prefix}/out.pt: uploaded and committed, checked by the store's CRC-32 of the whole object" in report.notes
+    assert f"{prefix}/out.pt: uploaded and committed, checked by {checked_by}" in report.notes
     methods = [m for m, _ in made]
-    assert methods.count("upload_part") == 3 and "get_object" not in methods, methods
+    read_back = checked_by == "reading the object back"  # the store without checksums: it echoed none
+    assert methods.count("upload_part") == 3 and ("get_object" in methods) == read_back, methods
     parts = [k for m, k in made if m == "upload_part"]
     assert all("ChecksumCRC32" in k for k in parts)  # each part checked by the store on arrival
     _fs().get_file(f"{prefix}/out.pt", str(tmp_path / "back.pt"))
@@ -672,7 +677,7 @@ def test_a_multipart_upload_is_checked_by_the_stores_crc_not_read_back(
 
 
 def test_a_part_corrupted_on_the_way_fails_the_write_and_leaves_no_object(
-    prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+    prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, checked_by: str
 ) -> None:
     folder = ckptkit.CheckpointFolder(f"{prefix}/run")
     ckptkit.save_on_master(_state(1), folder.path_for(1))
@@ -686,8 +691,10 @@ def test_a_part_corrupted_on_the_way_fails_the_write_and_leaves_no_object(
 
     _on_call(monkeypatch, corrupting)
     # S3 itself refuses the part (its CRC-32 differs) or the completion; moto stores it, and the CRC-32
-    # it computes over the object then differs from the one sent: the object is removed.
-    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=r"CRC-32 [0-9a-f]{8}"):
+    # it computes over the object then differs from the one sent; a store without checksums takes
+    # it all, and the read-back finds the CRC-32 differs. Either way the object is removed.
+    found = "the store computed CRC-32" if checked_by.startswith("the store") else "read back .* bytes, CRC-32"
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=rf"{found} [0-9a-f]{{8}}.*was removed"):
         ckptkit.save_on_master(_state(2), folder.path_for(2))
     assert not _fs().exists(folder.path_for(2))
     assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
@@ -749,7 +756,8 @@ def test_parts_go_several_at_once_and_no_more_than_asked(
     if method == "upload_part":
         ckptkit.save_on_master(_state(), url)
     got = ckptkit.read_checkpoint(url)
-    assert started == {1, 2, 3} and now[1] == 2, (started, now)
+    # 3 parts of 5 MiB up; down, one GET per half of the object (each read as a stream)
+    assert started == ({1, 2, 3} if method == "upload_part" else {1, 2}) and now[1] == 2, (started, now)
     assert _equal(got, _state())
 
 
