@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 from ..errors import ArgumentError, spell
 from ..formats import registry
 from ..formats.cast import Cast, target_dtype
+from ..formats.dcp.megatron import unstack_flag
 from ..formats.deepspeed.files import check_zero_source
 from ..formats.detect import check_exists
 from ..formats.hf.detect import HF
@@ -328,7 +329,7 @@ def _convert(
     refuse_failing(source, in_fmt)  # verify's own judgement, before anything is read or written
     if unstack_layers and not in_fmt.unstacks_layers:
         raise ArgumentError(
-            f"{spell('unstack_layers=True', '--unstack-layers')} splits the stacked layers of a DCP folder "
+            f"{unstack_flag()} splits the stacked layers of a DCP folder "
             f"megatron-core's torch_dist wrote; {src} is {in_fmt.name}: leave it out"
         )
     job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules, hf_llama=llama)

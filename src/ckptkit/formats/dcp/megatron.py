@@ -39,7 +39,8 @@ _STACKED = re.compile(r"^(?P<block>(?:.+\.)?layers)\.(?P<rest>(?!\d+(?:\.|$)).+)
 _EXTRA = re.compile(r"^(?P<key>.+)/shard_(?P<layer>\d+)_(?P<layers>\d+)$")
 
 
-def _FLAG() -> str:  # noqa: N802 - the option, as the caller spells it
+def unstack_flag() -> str:
+    """The option that unstacks layers, as the caller spells it (the CLI's flag or the keyword)."""
     return spell("unstack_layers=True", "--unstack-layers")
 
 
@@ -103,7 +104,7 @@ def extra_state_key(key: str, found: Stacks) -> str | None:
 def no_stacks(folder: str | Path) -> CheckpointFormatError:
     return CheckpointFormatError(
         f"{folder}: no tensor stacks layers (keys such as decoder.layers.mlp.linear_fc1.weight, the layer index "
-        f"first, as megatron-core's torch_dist saves them): leave {_FLAG()} out"
+        f"first, as megatron-core's torch_dist saves them): leave {unstack_flag()} out"
     )
 
 
@@ -166,7 +167,7 @@ def megatron_producer(folder: Path, meta: DcpMetadata) -> Producer | None:
     notes = []
     if found.keys:
         notes.append(
-            f"{found.describe()}: {_FLAG()} gives each layer its own keys ({layer_key(found.keys[0], 0)}, ...), "
+            f"{found.describe()}: {unstack_flag()} gives each layer its own keys ({layer_key(found.keys[0], 0)}, ...), "
             "as Megatron's models name them in memory"
         )
     if (folder / COMMON).is_file():
