@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, summarize
+from ..io.atomic import Kept
 from ..io.fileio import Progress, crc32, crc_of_range
 from .hf.detect import HF, shard_format
 from .hf.index import read_index
@@ -30,6 +31,7 @@ from .safetensors.codec import (
     ALIASES_KEY,
     CRC_KEY,
     HEADER_CRC_KEY,
+    HeaderKept,
     parse_aliases,
     parse_crcs,
     read_header,
@@ -39,6 +41,7 @@ from .torchzip import modulepickle as mp
 from .torchzip.bounds import StorageFit, tensor_problems, tensors_in
 from .torchzip.container import Record, TorchZip
 from .torchzip.detect import ZIP
+from .torchzip.kept import RecordsKept
 
 Kind = Literal["integrity", "safety"]
 
@@ -273,6 +276,13 @@ def check_written(path: Path, fmt: str, *, dest: Path) -> None:
             f"cannot write {dest}: what was written fails its own check ({'; '.join(failed)}), so it was not "
             f"published and {dest} is as it was; this is a ckptkit bug, please report it with the command that did it"
         )
+
+
+def kept_for_check(fmt: str) -> Callable[[], Kept] | None:
+    """What :func:`check_written` reads of a ``fmt`` file, for a writer that streams it to a store
+    and keeps only that locally (None: the whole file)."""
+    kept: dict[str, Callable[[], Kept]] = {SAFETENSORS: HeaderKept, ZIP: RecordsKept}
+    return kept.get(fmt)
 
 
 def _file_checks(path: Path, fmt: str) -> list[Check]:

@@ -22,7 +22,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from ..errors import CheckpointWriteError, CkptkitError
 
@@ -143,8 +143,35 @@ def describe_error(e: OSError, dest: Path) -> str:
     return f"cannot write {dest}: {e.strerror or e}"
 
 
+class Kept(Protocol):
+    """Which bytes of a file written elsewhere (streamed to a store) its check needs, decided as
+    they pass: :meth:`feed` gets each write at its offset, in order, and returns the ranges
+    (``start``, ``end``) to keep of it. The check then reads a local file holding those ranges
+    only (the rest a hole): a safetensors header, a zip's headers, pickle and directory."""
+
+    def feed(self, offset: int, data: bytes | memoryview) -> list[tuple[int, int]]: ...
+
+
+# Paths whose writes go elsewhere (io.streamed: a staging path standing for a URL): the opener
+# gives the file to write, and publishes it (or nothing) when its block ends.
+_ELSEWHERE: dict[str, Callable[..., contextlib.AbstractContextManager[BinaryIO]]] = {}
+
+
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str], *, check: Callable[[Path], None] | None = None) -> Iterator[BinaryIO]:
+def written_elsewhere(path: Path, opener: Callable[..., contextlib.AbstractContextManager[BinaryIO]]) -> Iterator[None]:
+    """Within the block, :func:`atomic_write` of ``path`` writes through ``opener(check=, kept=)``."""
+    key = os.path.abspath(path)
+    _ELSEWHERE[key] = opener
+    try:
+        yield
+    finally:
+        del _ELSEWHERE[key]
+
+
+@contextlib.contextmanager
+def atomic_write(
+    path: str | os.PathLike[str], *, check: Callable[[Path], None] | None = None, kept: Callable[[], Kept] | None = None
+) -> Iterator[BinaryIO]:
     """Open a temp file that replaces ``path`` atomically and durably when the block succeeds.
 
     On any exception (including KeyboardInterrupt) the temp file is removed and ``path`` is left
@@ -155,6 +182,8 @@ def atomic_write(path: str | os.PathLike[str], *, check: Callable[[Path], None] 
         check: called with the temp file's path once the data is flushed, fsynced and closed,
             before it replaces ``path``: verify what was written there. If it raises, the temp
             file is removed, ``path`` keeps its old bytes, and the exception propagates unchanged.
+        kept: where ``path`` stands for an object streamed to a store (:func:`written_elsewhere`),
+            what ``check`` needs of the bytes (None: all of them, a whole local copy).
 
     Example:
         >>> def nonempty(tmp: Path) -> None:  # doctest: +SKIP
@@ -163,6 +192,11 @@ def atomic_write(path: str | os.PathLike[str], *, check: Callable[[Path], None] 
         >>> with atomic_write("ckpt.pt", check=nonempty) as f:  # doctest: +SKIP
         ...     f.write(payload)
     """
+    opener = _ELSEWHERE.get(os.path.abspath(path))
+    if opener is not None:
+        with opener(check=check, kept=kept) as f:
+            yield f
+        return
     dest = Path(path)
     folder = dest.parent
     if not folder.is_dir():

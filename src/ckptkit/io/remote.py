@@ -20,13 +20,14 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -146,11 +147,39 @@ def object_info(fs: Any, key: str, url: str) -> dict[str, Any]:
 
 
 def _recorded_crc(fs: Any, key: str) -> int | None:
-    """The CRC-32 ckptkit recorded when it wrote the object, if it did (s3fs only)."""
+    """The CRC-32 ckptkit recorded when it wrote the object, if it did (s3fs only); for an object
+    it streamed (its CRC-32 was not known when the upload began), the full-object CRC-32 the
+    store computed, where it keeps one."""
+    if "s3" not in protocols(fs):
+        return None
     try:
-        value = fs.metadata(key).get(CRC_KEY) if "s3" in protocols(fs) else None
-        return int(value, 16) if value else None
+        value = fs.metadata(key).get(CRC_KEY)
     except Exception:  # noqa: BLE001 - no recorded CRC is no check, not a failure
+        return None
+    if value:
+        return int(value, 16)
+    bucket, path, _ = fs.split_path(key)
+    return stored_crc(fs, bucket, path)
+
+
+def echoed_crc(response: Mapping[str, Any]) -> int | None:
+    """The full-object CRC-32 the store says it computed; None where it says none (or a composite one)."""
+    value = response.get("ChecksumCRC32")
+    if not isinstance(value, str) or response.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+def stored_crc(fs: Any, bucket: str, path: str) -> int | None:
+    """The full-object CRC-32 the store keeps for the object (HeadObject with ChecksumMode), for
+    stores that do not echo it when the upload completes; None where it keeps none."""
+    try:
+        return echoed_crc(s3_call(fs, "head_object", Bucket=bucket, Key=path, ChecksumMode="ENABLED"))
+    except Exception:  # noqa: BLE001 - committed already: a store that will not say is read back, which names its own failure
         return None
 
 

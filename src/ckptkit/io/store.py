@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CheckpointNotFoundError, CkptkitError
-from . import remote, upload
+from . import remote, streamed, upload
 from .atomic import atomic_write, remove_stale_temps, temp_path
 from .fileio import open_regular
 
@@ -201,9 +201,10 @@ class Remote:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
-        """A local staging path to write; uploaded and checked when the block ends without error
-        (by the store's CRC-32 of the object, or by reading it back: said in :attr:`checked`)."""
-        with upload.staged_write(self.spelled, self.checked) as local:
+        """A local path standing for the object: a file written there atomically streams to the
+        store and is committed as its write ends (:mod:`.streamed`), checked by the store's CRC-32
+        of the object or by reading it back (said in :attr:`checked`); nothing is committed on error."""
+        with streamed.streamed_write(self.spelled, self.checked) as local:
             yield os.fspath(local)
 
     @contextlib.contextmanager

@@ -29,6 +29,7 @@ from .crcmath import crc32_combine
 from .fileio import crc32
 from .remote import (
     CRC_KEY,
+    echoed_crc,
     filesystem,
     in_flight,
     naming,
@@ -38,6 +39,7 @@ from .remote import (
     s3_call,
     staging,
     store_failure,
+    stored_crc,
     stream,
 )
 
@@ -116,20 +118,37 @@ def upload_verified(local: Path, url: str) -> str:
     size = local.stat().st_size
     crc = _file_crc(local)
     part = max(remote.PART_SIZE, -(-size // _MAX_PARTS))
-    untouched = f"the previous object at {url}, if any, is untouched"
     abort_left_uploads(fs, key)
-    try:
+    with storing(url):
         if "s3" in protocols(fs):
             echoed = _s3_upload(fs, key, local, size=size, crc=crc, part=part)
         else:
             echoed = None
             _fsspec_upload(fs, key, local, crc=crc, part=part, url=url)
+    return committed_check(fs, key, url, size=size, crc=crc, echoed=echoed)
+
+
+@contextlib.contextmanager
+def storing(url: str) -> Iterator[None]:
+    """The store's failures inside (botocore's are no OSError) as one line naming ``url``, not a traceback."""
+    try:
+        yield
     except BaseException as e:
-        if store_failure(e) and not isinstance(e, CkptkitError):  # botocore's are no OSError: one line, not a traceback
+        if store_failure(e) and not isinstance(e, CkptkitError):
             raise CheckpointWriteError(
-                f"cannot write {url}: {one_line(e)}; {untouched}; check the network, then write it again"
+                f"cannot write {url}: {one_line(e)}; the previous object at {url}, if any, is untouched; "
+                "check the network, then write it again"
             ) from e
         raise
+
+
+def committed_check(fs: Any, key: str, url: str, *, size: int, crc: int, echoed: int | None) -> str:
+    """After the commit: the CRC-32 the store ``echoed`` held against ``crc``, or (None) the object
+    read back; which check ran. An object that differs is removed.
+
+    Raises:
+        CheckpointWriteError: what the store holds is not what was sent.
+    """
     if echoed is None:
         check_object(url, size=size, crc=crc)
         return READ_BACK
@@ -180,70 +199,76 @@ def _b64(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
-def _echoed(response: Mapping[str, Any]) -> int | None:
-    """The full-object CRC-32 the store says it computed; None where it says none (or a composite one)."""
-    value = response.get("ChecksumCRC32")
-    if not isinstance(value, str) or response.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
-        return None
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except ValueError:
-        return None
-    return int.from_bytes(raw, "big") if len(raw) == 4 else None
-
-
 def _s3_upload(fs: Any, key: str, local: Path, *, size: int, crc: int, part: int) -> int | None:
     """One PUT, or a multipart upload whose parts go several at once, each with its CRC-32 for the
     store to check, completed with the whole object's CRC-32 (``ChecksumType=FULL_OBJECT``), so a
     store that checks refuses bytes that differ. Returns the CRC-32 the store echoed, or None
     where it echoed none (then the caller reads the object back)."""
     bucket, path, _ = fs.split_path(key)
-    meta = {CRC_KEY: f"{crc:08x}"}
     with open(local, "rb") as f:
         if size <= part:
             data = f.read()
             if crc32(data) != crc:
                 raise _changed(local, url=f"s3://{key}")
-            put_object = {"Bucket": bucket, "Key": path, "Body": data, "Metadata": meta}
-            try:
-                put = s3_call(fs, "put_object", **put_object, ChecksumCRC32=_b64(crc))
-            except Exception as e:  # noqa: BLE001 - a store that takes no checksum headers: read back instead
-                if not _refused_checksum(e):
-                    raise
-                s3_call(fs, "put_object", **put_object)
-                return None
-            return echoed if (echoed := _echoed(put)) is not None else _stored_crc(fs, bucket, path)
-        checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"}
+            return put_one(fs, bucket, path, data, crc)
+        upload, checked = create_upload(fs, bucket, path, crc)
         try:
-            created = s3_call(fs, "create_multipart_upload", Bucket=bucket, Key=path, Metadata=meta, **checksum)
-        except Exception as e:  # noqa: BLE001 - a store that takes no checksum headers (some S3-compatible ones)
-            if not _refused_checksum(e):
-                raise
-            checksum = {}
-            created = s3_call(fs, "create_multipart_upload", Bucket=bucket, Key=path, Metadata=meta)
-        upload = {"Bucket": bucket, "Key": path, "UploadId": created["UploadId"]}
-        try:
-            parts, sent = _send_parts(fs, f.fileno(), upload, size=size, part=part, checked=bool(checksum))
+            parts, sent = _send_parts(fs, f.fileno(), upload, size=size, part=part, checked=checked)
             if sent != crc:
                 raise _changed(local, url=f"s3://{key}")
-            whole = {"ChecksumCRC32": _b64(crc), "ChecksumType": "FULL_OBJECT"} if checksum else {}
-            done = s3_call(fs, "complete_multipart_upload", **upload, MultipartUpload={"Parts": parts}, **whole)
+            return complete_upload(fs, upload, parts, crc, checked=checked)
         except BaseException:  # an interrupt too: abort, so no partial object is ever committed
             with contextlib.suppress(Exception):
                 s3_call(fs, "abort_multipart_upload", **upload)
             raise
-    if not checksum:
-        return None
-    return echoed if (echoed := _echoed(done)) is not None else _stored_crc(fs, bucket, path)
 
 
-def _stored_crc(fs: Any, bucket: str, path: str) -> int | None:
-    """The full-object CRC-32 the store keeps for the object (HeadObject with ChecksumMode), for
-    stores that do not echo it when the upload completes; None where it keeps none."""
+def put_one(fs: Any, bucket: str, path: str, data: bytes, crc: int) -> int | None:
+    """The object in one PUT with its CRC-32; the CRC-32 the store echoed or keeps (None: none)."""
+    put_object = {"Bucket": bucket, "Key": path, "Body": data, "Metadata": {CRC_KEY: f"{crc:08x}"}}
     try:
-        return _echoed(s3_call(fs, "head_object", Bucket=bucket, Key=path, ChecksumMode="ENABLED"))
-    except Exception:  # noqa: BLE001 - committed already: a store that will not say is read back, which names its own failure
+        put = s3_call(fs, "put_object", **put_object, ChecksumCRC32=_b64(crc))
+    except Exception as e:  # noqa: BLE001 - a store that takes no checksum headers: read back instead
+        if not _refused_checksum(e):
+            raise
+        s3_call(fs, "put_object", **put_object)
         return None
+    return echoed if (echoed := echoed_crc(put)) is not None else stored_crc(fs, bucket, path)
+
+
+def create_upload(fs: Any, bucket: str, path: str, crc: int | None) -> tuple[dict[str, str], bool]:
+    """A multipart upload begun, declaring a full-object CRC-32 where the store takes the headers;
+    its Bucket/Key/UploadId, and whether checksums were declared. ``crc``: recorded as metadata
+    for later reads (None: not known yet, as for a stream; the reads then check nothing more)."""
+    meta = {CRC_KEY: f"{crc:08x}"} if crc is not None else {}
+    checksum = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"}
+    try:
+        created = s3_call(fs, "create_multipart_upload", Bucket=bucket, Key=path, Metadata=meta, **checksum)
+    except Exception as e:  # noqa: BLE001 - a store that takes no checksum headers (some S3-compatible ones)
+        if not _refused_checksum(e):
+            raise
+        checksum = {}
+        created = s3_call(fs, "create_multipart_upload", Bucket=bucket, Key=path, Metadata=meta)
+    return {"Bucket": bucket, "Key": path, "UploadId": created["UploadId"]}, bool(checksum)
+
+
+def send_part(fs: Any, upload: Mapping[str, str], number: int, body: Any, crc: int, *, checked: bool) -> dict[str, Any]:
+    """One part sent (with its CRC-32 where the upload declared checksums); as CompleteMultipartUpload lists it."""
+    extra = {"ChecksumCRC32": _b64(crc)} if checked else {}
+    r = s3_call(fs, "upload_part", **upload, PartNumber=number, Body=body, **extra)
+    return {"PartNumber": number, "ETag": r["ETag"], **extra}
+
+
+def complete_upload(
+    fs: Any, upload: Mapping[str, str], parts: list[dict[str, Any]], crc: int, *, checked: bool
+) -> int | None:
+    """The commit: the upload completed (with the whole object's CRC-32, where declared); the
+    CRC-32 the store echoed or keeps (None: none, or checksums not declared)."""
+    whole = {"ChecksumCRC32": _b64(crc), "ChecksumType": "FULL_OBJECT"} if checked else {}
+    done = s3_call(fs, "complete_multipart_upload", **upload, MultipartUpload={"Parts": parts}, **whole)
+    if not checked:
+        return None
+    return echoed if (echoed := echoed_crc(done)) is not None else stored_crc(fs, upload["Bucket"], upload["Key"])
 
 
 def _refused_checksum(e: BaseException) -> bool:
@@ -264,9 +289,7 @@ def _send_parts(
         while chunk := body.read(_CRC_STEP):
             value = crc32(chunk, value)
         body.seek(0)
-        extra = {"ChecksumCRC32": _b64(value)} if checked else {}
-        r = s3_call(fs, "upload_part", **upload, PartNumber=i + 1, Body=body, **extra)
-        return {"PartNumber": i + 1, "ETag": r["ETag"], **extra}, value, body.length
+        return send_part(fs, upload, i + 1, body, value, checked=checked), value, body.length
 
     sent = in_flight(send, -(-size // part))
     value = 0

@@ -22,7 +22,7 @@ from ..formats.cast import Cast
 from ..formats.entry import Entry
 from ..formats.hf.index import shard_note
 from ..formats.hf.write import Written
-from ..formats.integrity import Damage, check_written
+from ..formats.integrity import Damage, check_written, kept_for_check
 from ..formats.producers import AVERAGED_COUNTS, Producer, averaged_count
 from ..formats.source import checkpoint_bytes
 from ..formats.spec import CheckpointFormat, Info, View, WritePlan
@@ -261,7 +261,7 @@ class Job:
         if self.out_fmt.folder:  # its writer owns the temp folder and the swap
             return write(self.dest, view, obj, state, self.plan)
         check = lambda tmp: check_written(tmp, self.out_fmt.name, dest=self.dest)
-        with atomic_write(self.dest, check=check) as f:
+        with atomic_write(self.dest, check=check, kept=kept_for_check(self.out_fmt.name)) as f:
             written = write(f, view, obj, state, self.plan)
             view.damage.raise_if_any()
         return written

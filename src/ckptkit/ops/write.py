@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats import registry
-from ..formats.integrity import check_written
+from ..formats.integrity import check_written, kept_for_check
 from ..formats.spec import CheckpointFormat, WritePlan
 from ..formats.torchzip.detect import ZIP
 from ..io.atomic import atomic_write
@@ -60,5 +60,6 @@ def write_file(obj: Any, state: Any, fmt: CheckpointFormat, dest: Path, plan: Wr
     plan = plan or WritePlan(source=str(dest))
     if fmt.folder:
         return fmt.torch().write(dest, obj, state, dest=dest, plan=plan)
-    with atomic_write(dest, check=lambda tmp: check_written(tmp, fmt.name, dest=dest)) as f:
+    check = lambda tmp: check_written(tmp, fmt.name, dest=dest)  # noqa: E731
+    with atomic_write(dest, check=check, kept=kept_for_check(fmt.name)) as f:
         return fmt.torch().write(f, obj, state, dest=dest, plan=plan)

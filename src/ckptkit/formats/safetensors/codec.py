@@ -305,3 +305,24 @@ def insert_aliases(entries: OrderedDict[str, Any], placed: list[tuple[int, str, 
     for pos, alias, target in placed:
         items.insert(min(pos, len(items)), (alias, entries[target]))
     return OrderedDict(items)
+
+
+class HeaderKept:
+    """What a check of a safetensors file reads of it, as its bytes pass (a file streamed to a
+    store): the length prefix and the header; the tensors' bytes are a hole in the local image.
+
+    Example:
+        >>> kept = HeaderKept()
+        >>> kept.feed(0, (2).to_bytes(8, "little") + b"{}"), kept.feed(10, b"data")
+        ([(0, 10)], [])
+    """
+
+    def __init__(self) -> None:
+        self.end: int | None = None
+
+    def feed(self, offset: int, data: bytes | memoryview) -> list[tuple[int, int]]:
+        if self.end is None and offset == 0 and len(data) >= 8:
+            self.end = 8 + int.from_bytes(bytes(data[:8]), "little")
+        if self.end is None:  # the length not yet seen: kept until it is
+            return [(offset, offset + len(data))]
+        return [(offset, min(offset + len(data), self.end))] if offset < self.end else []

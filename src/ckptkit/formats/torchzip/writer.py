@@ -6,11 +6,12 @@ as the bytes are written), which ``ckptkit.formats.torchzip.torch`` also feeds f
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import struct
 import zipfile
 from collections.abc import Callable, Mapping
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ...errors import CheckpointFormatError
 from ...io.fileio import Progress, crc32, write_checked
@@ -70,6 +71,11 @@ class ZipWriter:
         self.f = f
         self.alignment = alignment
         self.entries: list[tuple[bytes, int, int, int, int, int]] = []  # name, crc, csize, size, method, offset
+        try:  # a header's CRC-32 is patched in place after its bytes, through the file's descriptor
+            f.fileno()
+            self.patchable = True
+        except (AttributeError, OSError):  # a stream to a store: each header goes out with its CRC-32 known
+            self.patchable = False
 
     def _header(self, name: bytes, crc: int, csize: int, size: int, method: int) -> None:
         """The local header of a record whose bytes follow."""
@@ -97,7 +103,8 @@ class ZipWriter:
         The CRC is computed while the bytes are written (fileio.write_checked), then patched into
         the local header written before them: one pass over the data.
         """
-        return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress))
+        known = None if self.patchable else crc32(buf)  # a stream cannot go back: one pass more, in memory
+        return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress), crc=known)
 
     def add_written(self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None) -> int:
         """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
@@ -112,6 +119,11 @@ class ZipWriter:
         self.f.flush()  # the header must be on the file before its CRC field is patched there
         if self.f.tell() - start != size:  # the header's sizes came first: they must be what was written
             raise CheckpointFormatError(f"record {name}: {self.f.tell() - start} bytes written, its header says {size}")
+        if got != crc and not self.patchable:  # the header went out with the CRC-32 the bytes were to have
+            raise CheckpointFormatError(
+                f"record {name}: its bytes were read with CRC-32 {got:08x}, not {crc or 0:08x} as when its header "
+                "was written (changed, or damaged, while copied); nothing was written"
+            )
         if got != crc:  # a write into a header already written back costs the disk a second write
             os.pwrite(self.f.fileno(), struct.pack("<I", got), offset + 14)  # the local header's CRC-32 field
         return got
@@ -142,7 +154,10 @@ class ZipWriter:
         """Store an entry's bytes (a compressed zip record as it is); returns their CRC-32 as
         written, which the entry's source holds against what it records (None: compressed)."""
         if e.zip is None:
-            return self.add_written(name, e.nbytes, lambda: e.write(self.f, progress) or 0, crc=e.find_crc())
+            crc = e.find_crc()
+            if crc is None and not self.patchable:  # no CRC-32 recorded, and a stream cannot go back: read twice
+                crc = e.write(cast(BinaryIO, _Counted()), None) or 0
+            return self.add_written(name, e.nbytes, lambda: e.write(self.f, progress) or 0, crc=crc)
         method, size = e.zip
         self._header(name.encode(), e.crc or 0, e.nbytes, size, method)
         return e.write(self.f, progress)
@@ -193,3 +208,14 @@ class ZipWriter:
                 0,
             )
         )
+
+
+class _Counted(io.RawIOBase):
+    """A sink that keeps nothing: an entry written to it gives its bytes' CRC-32 (in Python: no descriptor)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        with memoryview(data) as view:
+            return view.nbytes

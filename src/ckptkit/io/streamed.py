@@ -1,0 +1,239 @@
+"""Writing an object as a stream: its parts go to the store while the writer produces them.
+
+A single-file output to ``s3://`` is not written to a local file and then uploaded: the writer
+writes into :class:`PartStream`, which sends each part of a multipart upload as it fills,
+several at once, each with its CRC-32. The first part is held until the end, where a writer may
+still patch it (a safetensors header's CRC-32s). What the writer's own check needs of the bytes
+(a header, a zip's directory: :class:`~.atomic.Kept`) goes to a sparse local file, the rest left
+a hole, and the check runs on it before the commit. The commit is the completion of the upload
+with the whole object's CRC-32, checked as a staged file's upload is (:mod:`.upload`).
+
+Memory holds the first part, the part filling and the parts in flight
+(:func:`~.remote.parts_in_flight`). Local disk holds what the check keeps.
+
+Example:
+    >>> with streamed_write("s3://bucket/single.pt") as local:  # doctest: +SKIP
+    ...     write_checkpoint(state, local)  # streamed, checked and committed as it is written
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import CheckpointWriteError
+from . import remote, upload
+from .atomic import Kept, written_elsewhere
+from .crcmath import crc32_combine
+from .fileio import crc32
+from .remote import filesystem, naming, protocols, s3_call, staging
+
+_STEP = 1000  # parts of one size before the next size: 10,000 parts reach about 1.7 TiB at 32 MiB
+
+
+def _part_size(number: int) -> int:
+    """How long part ``number`` (2, 3, ...) is: S3 allows 10,000 parts, so later parts grow."""
+    return remote.PART_SIZE * (1 + (number - 2) // _STEP)
+
+
+class _All:
+    """Keeps every byte (a writer without a :class:`~.atomic.Kept`): a whole local copy."""
+
+    def feed(self, offset: int, data: bytes | memoryview) -> list[tuple[int, int]]:
+        return [(offset, offset + len(data))]
+
+
+class PartStream(io.RawIOBase):
+    """A file whose bytes become the object at ``url`` as they are written (see the module).
+
+    Seekable only within the first part, which is held until :meth:`commit`; ``truncate(0)`` at
+    the start begins again (a writer that falls back to another one).
+    """
+
+    def __init__(self, url: str, image: Path, kept: Callable[[], Kept] | None) -> None:
+        super().__init__()
+        self.url, self.image_path, self._kept = url, image, kept or _All
+        self.fs, self.key = filesystem(url)
+        self.bucket, self.path, _ = self.fs.split_path(self.key)
+        self.image = open(image, "wb")  # noqa: SIM115 - closed by close()
+        self.in_flight = remote.parts_in_flight()
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.in_flight, thread_name_prefix="ckptkit-part")
+        self._begin()
+
+    def _begin(self) -> None:
+        self.head = bytearray()  # part 1, held for patches
+        self.filling = bytearray()  # the part being filled
+        self.size = self.pos = 0
+        self.sent: list[concurrent.futures.Future[tuple[dict[str, Any], int, int]]] = []
+        self.upload: dict[str, str] | None = None
+        self.checked = False
+        self.kept = self._kept()
+
+    # -- the file ----------------------------------------------------------------------------
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence] + offset
+        if not 0 <= pos <= self.size:
+            raise io.UnsupportedOperation(f"{self.url}: seek to {pos} outside the {self.size} bytes written")
+        self.pos = pos
+        return pos
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a stream to a store has no file descriptor")
+
+    def truncate(self, size: int | None = None) -> int:
+        if (self.pos if size is None else size) != 0:
+            raise io.UnsupportedOperation(f"{self.url}: a stream can only begin again (truncate to 0)")
+        self._abort()
+        self.image.truncate(0)
+        self._begin()
+        return 0
+
+    def write(self, data: Any) -> int:
+        with memoryview(data) as whole, whole.cast("B") as view:
+            n = len(view)
+            if self.pos < self.size:  # a patch: only where the bytes are still held
+                if self.pos + n > len(self.head):
+                    raise CheckpointWriteError(
+                        f"cannot write {self.url}: the writer went back to byte {self.pos}, past the part still "
+                        "held; this is a ckptkit bug, please report it with the command that did it"
+                    )
+                self.head[self.pos : self.pos + n] = view
+                os.pwrite(self.image.fileno(), view, self.pos)
+                self.pos += n
+                return n
+            for start, end in self.kept.feed(self.pos, view):
+                os.pwrite(self.image.fileno(), view[start - self.pos : end - self.pos], start)
+            rest = view
+            if self.size == 0 or len(self.head) < remote.PART_SIZE:  # the first part (all of a first write)
+                take = len(rest) if self.size == 0 else min(len(rest), remote.PART_SIZE - len(self.head))
+                self.head += rest[:take]
+                rest = rest[take:]
+            while rest:
+                number = len(self.sent) + 2
+                take = min(len(rest), _part_size(number) - len(self.filling))
+                self.filling += rest[:take]
+                rest = rest[take:]
+                if len(self.filling) == _part_size(number):
+                    self._send(number, bytes(self.filling))
+                    self.filling = bytearray()
+            self.size += n
+            self.pos = self.size
+            return n
+
+    # -- the upload ----------------------------------------------------------------------------
+
+    def _send(self, number: int, data: bytes) -> None:
+        """Part ``number`` sent on a pool thread, once fewer than the pool's threads are in flight."""
+        if self.upload is None:
+            upload.abort_left_uploads(self.fs, self.key)
+            with upload.storing(self.url):
+                self.upload, self.checked = upload.create_upload(self.fs, self.bucket, self.path, None)
+        busy = [f for f in self.sent[-self.in_flight :] if not f.done()]
+        if len(busy) >= self.in_flight:  # memory holds the parts in flight: wait for one
+            concurrent.futures.wait(busy, return_when=concurrent.futures.FIRST_COMPLETED)
+        for f in busy:
+            if f.done():
+                f.result()  # a failed part fails the write now, not at the end
+        self.sent.append(self.pool.submit(self._part, self.upload, number, data))
+
+    def _part(self, ids: dict[str, str], number: int, data: bytes) -> tuple[dict[str, Any], int, int]:
+        crc = crc32(data)
+        with upload.storing(self.url):
+            return upload.send_part(self.fs, ids, number, data, crc, checked=self.checked), crc, len(data)
+
+    def finish(self) -> None:
+        """All bytes written: the last part sent, every part in, the local image complete."""
+        if self.filling:
+            self._send(len(self.sent) + 2, bytes(self.filling))
+            self.filling = bytearray()
+        for f in self.sent:
+            f.result()
+        self.image.truncate(self.size)
+        self.image.close()
+
+    def commit(self) -> str:
+        """The object committed and checked (:func:`~.upload.committed_check`); which check ran."""
+        head = bytes(self.head)
+        crc = crc32(head)
+        with upload.storing(self.url):
+            if self.upload is None:  # it fits in one part: one PUT
+                upload.abort_left_uploads(self.fs, self.key)
+                echoed = upload.put_one(self.fs, self.bucket, self.path, head, crc)
+            else:
+                first = upload.send_part(self.fs, self.upload, 1, head, crc, checked=self.checked)
+                parts = [first]
+                for f in self.sent:
+                    listed, part_crc, length = f.result()
+                    parts.append(listed)
+                    crc = crc32_combine(crc, part_crc, length)
+                echoed = upload.complete_upload(self.fs, self.upload, parts, crc, checked=self.checked)
+                self.upload = None  # committed: nothing to abort
+        return upload.committed_check(self.fs, self.key, self.url, size=self.size, crc=crc, echoed=echoed)
+
+    def _abort(self) -> None:
+        for f in self.sent:
+            f.cancel()
+        concurrent.futures.wait(self.sent)
+        if self.upload is not None:
+            with contextlib.suppress(Exception):
+                s3_call(self.fs, "abort_multipart_upload", **self.upload)
+            self.upload = None
+
+    def close(self) -> None:
+        """Without :meth:`commit`, nothing is published: an upload begun is aborted."""
+        if not self.closed:
+            self._abort()
+            self.pool.shutdown(wait=True)
+            self.image.close()
+        super().close()
+
+
+@contextlib.contextmanager
+def _opened(
+    url: str, image: Path, done: list[str], *, check: Callable[[Path], None] | None, kept: Callable[[], Kept] | None
+) -> Iterator[BinaryIO]:
+    """What :func:`~.atomic.atomic_write` writes for ``image``'s path: the stream, checked and
+    committed when the block ends without error; aborted otherwise."""
+    with PartStream(url, image, kept) as stream:
+        yield stream  # type: ignore[misc]  # a RawIOBase: the writers call write/seek/tell
+        stream.finish()
+        if check is not None:
+            check(image)
+        done.append(stream.commit())
+
+
+@contextlib.contextmanager
+def streamed_write(url: str, checked: list[str] | None = None) -> Iterator[Path]:
+    """A local path to write, standing for ``url``: a file written to it by
+    :func:`~.atomic.atomic_write` streams to ``url`` (:class:`PartStream`) and is committed when
+    that write ends; one written otherwise is uploaded when the block ends
+    (:func:`~.upload.staged_write`'s way). Which check ran is appended to ``checked``. On error
+    nothing is committed. Stores other than S3 are always written the staged way."""
+    fs, _ = filesystem(url)  # a missing extra fails before anything is written
+    if "s3" not in protocols(fs):
+        with upload.staged_write(url, checked) as local:
+            yield local
+        return
+    done: list[str] = []
+    with staging(url) as local, naming(local, url):
+        with written_elsewhere(local, lambda **how: _opened(url, local, done, **how)):
+            yield local
+        if not done:
+            done.append(upload.upload_verified(local, url))
+        if checked is not None:
+            checked += done
