@@ -29,6 +29,7 @@ except ImportError:  # a platform without an isal wheel: zlib's, several times s
 
 _CHUNK = 64 << 20  # a plain copy's step, and how much is copied between writeback starts
 _CHECKED_STEP = 32 << 20  # a checked copy's step: the copy and its CRC read the same bytes at once
+_PYTHON_STEP = 8 << 20  # a copy to a sink without a descriptor (a cast, a stream to a store): held in memory
 _MAPPED_FROM = 2 << 20  # shorter ranges are CRC'd from a read: a mapping and a thread cost more than they save
 Progress = Callable[[int], None]
 
@@ -231,7 +232,7 @@ def copy_range(
     source, so checking costs little more than the copy and nothing is copied into Python.
 
     A ``dst`` without a file descriptor (``fileno`` raises: ``convert --dtype``'s sink, which casts
-    each piece as it comes) is written through Python, in steps of at most 32 MiB.
+    each piece as it comes, or a stream to a store) is written through Python, in steps of at most 8 MiB.
 
     Example:
         >>> import tempfile
@@ -252,7 +253,7 @@ def copy_range(
     use_kernel = out >= 0 and hasattr(os, "copy_file_range")
     mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
     while done < length:
-        step = min(_CHECKED_STEP if crc else _CHUNK, length - done)
+        step = min(_CHECKED_STEP if crc else _CHUNK, length - done) if out >= 0 else min(_PYTHON_STEP, length - done)
         n = 0
         if use_kernel:
             try:

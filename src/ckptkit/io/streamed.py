@@ -8,8 +8,9 @@ still patch it (a safetensors header's CRC-32s). What the writer's own check nee
 a hole, and the check runs on it before the commit. The commit is the completion of the upload
 with the whole object's CRC-32, checked as a staged file's upload is (:mod:`.upload`).
 
-Memory holds the first part, the part filling and the parts in flight
-(:func:`~.remote.parts_in_flight`). Local disk holds what the check keeps.
+Memory holds the first part (8 MiB, or a longer first write), the part filling and the parts in
+flight (:func:`~.remote.parts_in_flight`), 16 MiB each until an object passes about 16 GiB, when
+parts grow to stay within S3's 10,000. Local disk holds what the check keeps.
 
 Example:
     >>> with streamed_write("s3://bucket/single.pt") as local:  # doctest: +SKIP
@@ -33,12 +34,21 @@ from .crcmath import crc32_combine
 from .fileio import crc32
 from .remote import filesystem, naming, protocols, s3_call, staging
 
-_STEP = 1000  # parts of one size before the next size: 10,000 parts reach about 1.7 TiB at 32 MiB
+STREAM_PART = 16 << 20  # a streamed part (the first and the growing later ones aside)
+_STEP = 1000  # parts of one size before the next size: 10,000 parts reach about 860 GiB
+
+
+def _head_size() -> int:
+    """How long the first part is: held to the end for patches, so kept short (S3's parts but the
+    last are 5 MiB at least); a first write longer than this (a header) is held whole."""
+    return min(remote.PART_SIZE, 8 << 20)
 
 
 def _part_size(number: int) -> int:
-    """How long part ``number`` (2, 3, ...) is: S3 allows 10,000 parts, so later parts grow."""
-    return remote.PART_SIZE * (1 + (number - 2) // _STEP)
+    """How long part ``number`` (2, 3, ...) is: half a staged upload's part, since memory holds the
+    parts in flight and the one filling (not a file's pages); S3 allows 10,000 parts, so later
+    parts grow."""
+    return min(remote.PART_SIZE, STREAM_PART) * (1 + (number - 2) // _STEP)
 
 
 class _All:
@@ -119,8 +129,8 @@ class PartStream(io.RawIOBase):
             for start, end in self.kept.feed(self.pos, view):
                 os.pwrite(self.image.fileno(), view[start - self.pos : end - self.pos], start)
             rest = view
-            if self.size == 0 or len(self.head) < remote.PART_SIZE:  # the first part (all of a first write)
-                take = len(rest) if self.size == 0 else min(len(rest), remote.PART_SIZE - len(self.head))
+            if self.size == 0 or len(self.head) < _head_size():  # the first part (all of a first write)
+                take = len(rest) if self.size == 0 else min(len(rest), _head_size() - len(self.head))
                 self.head += rest[:take]
                 rest = rest[take:]
             while rest:
@@ -129,15 +139,15 @@ class PartStream(io.RawIOBase):
                 self.filling += rest[:take]
                 rest = rest[take:]
                 if len(self.filling) == _part_size(number):
-                    self._send(number, bytes(self.filling))
-                    self.filling = bytearray()
+                    data, self.filling = self.filling, bytearray()
+                    self._send(number, data)
             self.size += n
             self.pos = self.size
             return n
 
     # -- the upload ----------------------------------------------------------------------------
 
-    def _send(self, number: int, data: bytes) -> None:
+    def _send(self, number: int, data: bytearray) -> None:
         """Part ``number`` sent on a pool thread, once fewer than the pool's threads are in flight."""
         if self.upload is None:
             upload.abort_left_uploads(self.fs, self.key)
@@ -151,16 +161,22 @@ class PartStream(io.RawIOBase):
                 f.result()  # a failed part fails the write now, not at the end
         self.sent.append(self.pool.submit(self._part, self.upload, number, data))
 
-    def _part(self, ids: dict[str, str], number: int, data: bytes) -> tuple[dict[str, Any], int, int]:
+    def _part(self, ids: dict[str, str], number: int, data: bytearray) -> tuple[dict[str, Any], int, int]:
         crc = crc32(data)
         with upload.storing(self.url):
-            return upload.send_part(self.fs, ids, number, data, crc, checked=self.checked), crc, len(data)
+            body = upload.PartBody(data)  # read a piece at a time: the client holds no copy
+            listed = upload.send_part(self.fs, ids, number, body, crc, checked=self.checked)
+        length = len(data)
+        body.data.release()  # the client's objects may live on in reference cycles: the part goes now
+        with contextlib.suppress(BufferError):
+            data.clear()
+        return listed, crc, length
 
     def finish(self) -> None:
         """All bytes written: the last part sent, every part in, the local image complete."""
         if self.filling:
-            self._send(len(self.sent) + 2, bytes(self.filling))
-            self.filling = bytearray()
+            data, self.filling = self.filling, bytearray()
+            self._send(len(self.sent) + 2, data)
         for f in self.sent:
             f.result()
         self.image.truncate(self.size)
@@ -175,7 +191,7 @@ class PartStream(io.RawIOBase):
                 upload.abort_left_uploads(self.fs, self.key)
                 echoed = upload.put_one(self.fs, self.bucket, self.path, head, crc)
             else:
-                first = upload.send_part(self.fs, self.upload, 1, head, crc, checked=self.checked)
+                first = upload.send_part(self.fs, self.upload, 1, upload.PartBody(head), crc, checked=self.checked)
                 parts = [first]
                 for f in self.sent:
                     listed, part_crc, length = f.result()

@@ -326,10 +326,25 @@ class _Range(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         n = max(0, min(len(buffer), self.length - self.pos))
-        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
+        data = self._read_at(self.start + self.pos, n) if n else b""
         buffer[: len(data)] = data
         self.pos += len(data)
         return len(data)
+
+    def _read_at(self, at: int, n: int) -> bytes | memoryview:
+        return os.pread(self.fd, n, at)
+
+
+class PartBody(_Range):
+    """A part's bytes held in memory, as a file the HTTP client reads a piece at a time: given the
+    bytes (or a BytesIO, whose buffer aiohttp takes), it made a whole copy of them for the send."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        super().__init__(-1, 0, len(data))
+        self.data = memoryview(data)
+
+    def _read_at(self, at: int, n: int) -> bytes | memoryview:
+        return self.data[at : at + n]
 
 
 def check_object(url: str, *, size: int, crc: int) -> None:
