@@ -1,15 +1,17 @@
-"""Object storage: ``s3://`` (or any fsspec URL) wherever a path goes, staged through a local file.
+"""Object storage: ``s3://`` (or any fsspec URL) wherever a path goes, through a local staging path.
 
-Object stores have no rename, so a URL is never written in place: the local writers write and
-check a file in a staging folder (``$CKPTKIT_STAGING``, else the system's temp folder), which is
-then uploaded in parts and committed by what the store offers (one PUT, or the completion of a
-multipart upload; any failure aborts the upload instead, so the previous object stays), and read
-back (size and CRC-32) before success is reported. Reading a URL streams it, in ranged GETs, into
-a staging file the local readers open. Memory stays bounded at any size: a few parts (or pieces
-of a GET's stream) in flight.
+Object stores have no rename, so a URL is never written in place. A single file bound for S3
+streams there as it is written (:mod:`.streamed`); anything else (a folder's files, a file for
+another store) is written and checked in a staging folder (``$CKPTKIT_STAGING``, else the
+system's temp folder), then uploaded in parts (:mod:`.upload`). Either way the commit is what the
+store offers (one PUT, or the completion of a multipart upload; any failure aborts the upload
+instead, so the previous object stays), checked by the store's CRC-32 of the object or by reading
+it back before success is reported. Reading a URL streams it, in ranged GETs, into a staging
+file the local readers open. Memory stays bounded at any size: a few parts (or pieces of a GET's
+stream) in flight.
 
 fsspec (and s3fs for ``s3://``) is imported only when a URL is given: ``pip install 'ckptkit[s3]'``.
-Errors raised inside a staged block name the URL, not the staging file. Writing: :mod:`.upload`.
+Errors raised inside a staged block name the URL, not the staging file.
 
 Example:
     >>> is_url("s3://bucket/run/step_1.pt"), is_url("runs/a/step_1.pt")

@@ -1,4 +1,5 @@
-"""Writing a URL: upload a checked local file in parts, commit, read the object back.
+"""Writing a URL from a local file: upload a checked file in parts, commit, check the object
+(the store's CRC-32 of it, else a read-back). The S3 calls here serve :mod:`.streamed` too.
 
 The commit is what the store offers: one PUT, or the completion of a multipart upload. A
 failure or an interrupt before it aborts the upload (fsspec's file would commit what it has
