@@ -840,3 +840,33 @@ def test_a_streamed_object_is_read_against_the_stores_crc(prefix: str, s3_endpoi
     assert remote.CRC_KEY not in _fs().metadata(url)  # its CRC-32 was not known when the upload began
     found = remote._recorded_crc(fs, key)
     assert found == (zlib.crc32(_fs().cat_file(url)) if _CHECKS[s3_endpoint] else None)
+
+
+@pytest.mark.parametrize("how", ["save_on_master", "convert"])
+def test_a_completion_whose_answer_is_lost_is_found_committed(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, checked_by: str
+) -> None:
+    """The store completed the upload, but its answer never came (a read timeout; the retry is
+    refused, the upload being gone): the object holds what was sent, so the write succeeded."""
+    call = s3fs.core.S3FileSystem._call_s3
+    lost: list[str] = []
+
+    async def losing(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = await call(self, method, *args, **kwargs)
+        if method == "complete_multipart_upload" and not lost:
+            lost.append(kwargs["Key"])
+            raise OSError("injected: the connection dropped before the answer")
+        return result
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", losing)
+    url = f"{prefix}/out.pt"
+    if how == "save_on_master":
+        ckptkit.save_on_master(_state(4), url)
+        want = _state(4)
+    else:
+        torch.save(_state(4), tmp_path / "ddp.pt")
+        report = ckptkit.convert_checkpoint(tmp_path / "ddp.pt", url)
+        assert f"{url}: uploaded and committed, checked by {checked_by}" in report.notes
+        want = {k.removeprefix("module."): v for k, v in _state(4).items()}
+    assert lost == [_key(url)]
+    assert _equal(ckptkit.read_checkpoint(url), want)

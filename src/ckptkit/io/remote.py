@@ -92,6 +92,7 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 _RETRY_SETTINGS = ("retry_mode", "max_attempts")
+READ_TIMEOUT_S = 60
 
 
 def _s3_options(url: str) -> dict[str, Any]:
@@ -101,17 +102,22 @@ def _s3_options(url: str) -> dict[str, Any]:
     connection four times with growing waits: an unreachable endpoint took seconds to name."""
     if not url.startswith(("s3://", "s3a://")):
         return {}
+    # botocore's (and the AWS CLI's) read timeout, not s3fs's 15 s: completing a multipart upload
+    # of a large object can take the store longer, and the retry after a timeout is refused
+    config: dict[str, Any] = {"read_timeout": READ_TIMEOUT_S}
+    options = {"config_kwargs": config}
     if any(os.environ.get(f"AWS_{k.upper()}") for k in _RETRY_SETTINGS):
-        return {}
+        return options
     try:
         import botocore.session
 
         profile = botocore.session.Session().get_scoped_config()
     except Exception:  # noqa: BLE001 - a profile botocore cannot read: s3fs will say so on first use
-        return {}
+        return options
     if any(k in profile for k in _RETRY_SETTINGS):
-        return {}
-    return {"config_kwargs": {"retries": {"mode": "standard"}}}
+        return options
+    config["retries"] = {"mode": "standard"}
+    return options
 
 
 def _info(fs: Any, key: str, url: str) -> dict[str, Any] | None:

@@ -197,7 +197,7 @@ class PartStream(io.RawIOBase):
                     listed, part_crc, length = f.result()
                     parts.append(listed)
                     crc = crc32_combine(crc, part_crc, length)
-                echoed = upload.complete_upload(self.fs, self.upload, parts, crc, checked=self.checked)
+                echoed = upload.complete_upload(self.fs, self.upload, parts, crc, checked=self.checked, size=self.size)
                 self.upload = None  # committed: nothing to abort
         return upload.committed_check(self.fs, self.key, self.url, size=self.size, crc=crc, echoed=echoed)
 

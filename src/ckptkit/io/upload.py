@@ -217,7 +217,7 @@ def _s3_upload(fs: Any, key: str, local: Path, *, size: int, crc: int, part: int
             parts, sent = _send_parts(fs, f.fileno(), upload, size=size, part=part, checked=checked)
             if sent != crc:
                 raise _changed(local, url=f"s3://{key}")
-            return complete_upload(fs, upload, parts, crc, checked=checked)
+            return complete_upload(fs, upload, parts, crc, checked=checked, size=size)
         except BaseException:  # an interrupt too: abort, so no partial object is ever committed
             with contextlib.suppress(Exception):
                 s3_call(fs, "abort_multipart_upload", **upload)
@@ -261,15 +261,38 @@ def send_part(fs: Any, upload: Mapping[str, str], number: int, body: Any, crc: i
 
 
 def complete_upload(
-    fs: Any, upload: Mapping[str, str], parts: list[dict[str, Any]], crc: int, *, checked: bool
+    fs: Any, upload: Mapping[str, str], parts: list[dict[str, Any]], crc: int, *, checked: bool, size: int
 ) -> int | None:
     """The commit: the upload completed (with the whole object's CRC-32, where declared); the
-    CRC-32 the store echoed or keeps (None: none, or checksums not declared)."""
+    CRC-32 the store echoed or keeps (None: none, or checksums not declared).
+
+    A completion can take the store a while for a large object; if the answer is lost (a read
+    timeout, then a retry the store refuses because the first attempt completed it), the object
+    is looked at: holding ``size`` bytes with CRC-32 ``crc``, it is this upload's, committed."""
     whole = {"ChecksumCRC32": _b64(crc), "ChecksumType": "FULL_OBJECT"} if checked else {}
-    done = s3_call(fs, "complete_multipart_upload", **upload, MultipartUpload={"Parts": parts}, **whole)
+    try:
+        done = s3_call(fs, "complete_multipart_upload", **upload, MultipartUpload={"Parts": parts}, **whole)
+    except Exception:
+        if not _holds(fs, f"{upload['Bucket']}/{upload['Key']}", size=size, crc=crc):
+            raise
+        return stored_crc(fs, upload["Bucket"], upload["Key"])  # None: the caller reads it back, and says so
     if not checked:
         return None
     return echoed if (echoed := echoed_crc(done)) is not None else stored_crc(fs, upload["Bucket"], upload["Key"])
+
+
+def _holds(fs: Any, key: str, *, size: int, crc: int) -> bool:
+    """Whether the object at ``key`` has ``size`` bytes with CRC-32 ``crc`` (by the store's
+    CRC-32 where it keeps one, else by reading it); False where it cannot be told."""
+    try:
+        fs.invalidate_cache(key)
+        if int(fs.info(key)["size"]) != size:
+            return False
+        bucket, path, _ = fs.split_path(key)
+        kept = stored_crc(fs, bucket, path)
+        return (kept if kept is not None else stream(fs, key, f"s3://{key}", size, None)) == crc
+    except Exception:  # noqa: BLE001 - not there, or the store still failing: not committed, as far as is known
+        return False
 
 
 def _refused_checksum(e: BaseException) -> bool:
