@@ -62,6 +62,13 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
+    ap.add_argument(
+        "--direction",
+        choices=["both", "up"],
+        default="both",
+        help="up: the uploads only (moto reads a whole object to answer each ranged GET, so 4 GETs of a "
+        "4 GiB object at once would hold about 20 GiB in the server)",
+    )
     args = ap.parse_args()
     server, endpoint = start_server()
     os.environ.update(
@@ -84,7 +91,8 @@ def main() -> int:
         make_checkpoint(src, args.gib)
         size = src.stat().st_size
         url = f"s3://{BUCKET}/ddp.pt"
-        s3fs.S3FileSystem().put_file(str(src), url)  # the s3 -> local source, untimed
+        if args.direction == "both":
+            s3fs.S3FileSystem().put_file(str(src), url)  # the s3 -> local source, untimed
         py = sys.executable
         cases = {
             "ckptkit convert s3:// -> local": [
@@ -108,6 +116,8 @@ def main() -> int:
             ],
             "s3fs put_file": [py, "-c", S3FS_PUT, str(src), f"s3://{BUCKET}/put.pt"],
         }
+        if args.direction == "up":
+            cases = {k: v for k, v in cases.items() if "-> s3://" in k or "put_file" in k}
         times: dict[str, list[float]] = {name: [] for name in cases}
         mems: dict[str, int] = dict.fromkeys(cases, 0)
         for name in rounds(list(cases), args.runs):
@@ -129,7 +139,8 @@ def main() -> int:
             print(f"| {name} | {spread(ts)} | {ratio} | {mems[name]} |")
         print()
         for name, other in base.items():
-            print(paired(name, times[name], other, times[other]))
+            if name in times:
+                print(paired(name, times[name], other, times[other]))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         server.stop()  # type: ignore[attr-defined]
