@@ -6,6 +6,7 @@ Needs moto and s3fs (``pip install 'ckptkit[s3]' moto``); skipped without them.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -870,3 +871,21 @@ def test_a_completion_whose_answer_is_lost_is_found_committed(
         want = {k.removeprefix("module."): v for k, v in _state(4).items()}
     assert lost == [_key(url)]
     assert _equal(ckptkit.read_checkpoint(url), want)
+
+
+def test_a_writer_that_begins_again_streams_only_its_second_start(
+    prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckptkit's zip writer hands over to torch.save where it cannot write an object (``FallBack``),
+    which starts the file again (``seek(0)``, ``truncate()``): the parts already sent go."""
+    from ckptkit.formats.torchzip import torch as zip_half
+
+    def partway(obj: Any, f: Any, **kwargs: Any) -> None:
+        f.write(os.urandom(12 << 20))  # parts 2 and 3 go out before the writer gives up
+        raise zip_half.FallBack("test: torch.save writes this one")
+
+    monkeypatch.setattr(zip_half, "save_zip", partway)
+    url = f"{prefix}/out.pt"
+    ckptkit.save_on_master(_state(5), url)
+    assert _equal(torch.load(io.BytesIO(_fs().cat_file(url)), weights_only=True), _state(5))
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
