@@ -889,3 +889,85 @@ def test_a_writer_that_begins_again_streams_only_its_second_start(
     ckptkit.save_on_master(_state(5), url)
     assert _equal(torch.load(io.BytesIO(_fs().cat_file(url)), weights_only=True), _state(5))
     assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
+
+
+# -- a review of the streamed writes ------------------------------------------------------------
+
+
+def test_a_failed_part_stops_a_streamed_write_at_once(
+    prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tried: list[int] = []
+
+    def failing(method: str, kwargs: dict[str, Any]) -> None:
+        if method == "upload_part":
+            tried.append(kwargs["PartNumber"])
+            if kwargs["PartNumber"] >= 3:
+                raise PermissionError("injected: AccessDenied on UploadPart")
+
+    _on_call(monkeypatch, failing)
+    big = {"w": torch.randn(20 << 20)}  # 80 MiB: 16 parts of 5 MiB
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match="injected: AccessDenied"):
+        ckptkit.save_on_master(big, f"{prefix}/big.pt")
+    assert max(tried) <= 3 + 2 * 4, tried  # stopped within the parts then in flight, not after all 16
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
+
+
+def test_a_zip_whose_archive_folder_is_named_data_streams(prefix: str, tmp_path: Path) -> None:
+    torch.save(_state(6), tmp_path / "data.pt")  # torch names the archive folder for the file: data/
+    url = f"{prefix}/out.pt"
+    ckptkit.convert_checkpoint(tmp_path / "data.pt", url)
+    assert _equal(ckptkit.read_checkpoint(url), {k.removeprefix("module."): v for k, v in _state(6).items()})
+
+
+def test_a_download_resumes_a_dropped_stream(prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiohttp
+    from aiobotocore.response import StreamingBody
+
+    url = f"{prefix}/r.pt"
+    ckptkit.save_on_master(_state(7), url)
+    read = StreamingBody.read
+    dropped: list[int] = []
+
+    async def flaky(self: Any, amt: int | None = None) -> bytes:
+        data = await read(self, amt)
+        if data and not dropped:
+            dropped.append(len(data))
+            raise aiohttp.ClientPayloadError("injected: connection reset mid-body")
+        return data
+
+    monkeypatch.setattr(StreamingBody, "read", flaky)
+    assert _equal(ckptkit.read_checkpoint(url), _state(7))
+    assert dropped
+
+
+def test_a_refused_completion_of_bytes_already_there_leaves_no_upload_open(
+    prefix: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{prefix}/same.pt"
+    ckptkit.save_on_master(_state(8), url)
+
+    def refusing(method: str, kwargs: dict[str, Any]) -> None:
+        if method == "complete_multipart_upload":
+            raise OSError("injected: completion refused")
+
+    _on_call(monkeypatch, refusing)
+    ckptkit.save_on_master(_state(8), url)  # the same bytes are there: the write holds
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
+    assert _equal(ckptkit.read_checkpoint(url), _state(8))
+
+
+def test_a_full_local_disk_under_a_stream_is_one_error_naming_the_url(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from ckptkit.io import streamed
+
+    def full(*args: Any, **kwargs: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(streamed.os, "pwrite", full)  # the local image of the headers
+    url = f"{prefix}/out.safetensors"
+    with pytest.raises(ckptkit.errors.CheckpointWriteError, match=f"cannot write {url}: no space left"):
+        ckptkit.save_on_master(_state(9), url)

@@ -191,9 +191,13 @@ class Damage:
     def check(self, key: Any, recorded: int, read: int | None) -> None:
         """``read``: the CRC-32 of the bytes as read; None for compressed bytes that do not inflate."""
         if read is None:
-            self.found.append(f"{self._name(key)} (compressed bytes that do not inflate to CRC-32 {recorded:08x})")
+            found = f"{self._name(key)} (compressed bytes that do not inflate to CRC-32 {recorded:08x})"
         elif read != recorded:
-            self.found.append(f"{self._name(key)} (CRC-32 recorded {recorded:08x}, read {read:08x})")
+            found = f"{self._name(key)} (CRC-32 recorded {recorded:08x}, read {read:08x})"
+        else:
+            return
+        if found not in self.found:  # a range read twice (a stream's first pass) is damaged once
+            self.found.append(found)
 
     def raise_if_any(self) -> None:
         if self.found:

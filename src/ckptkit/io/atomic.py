@@ -194,8 +194,13 @@ def atomic_write(
     """
     opener = _ELSEWHERE.get(os.path.abspath(path))
     if opener is not None:
-        with opener(check=check, kept=kept) as f:
-            yield f
+        try:
+            with opener(check=check, kept=kept) as f:
+                yield f
+        except OSError as e:  # the local image's (a full disk): named as a local write's are
+            if isinstance(e, CkptkitError):
+                raise
+            raise CheckpointWriteError(describe_error(e, Path(path))) from e
         return
     dest = Path(path)
     folder = dest.parent

@@ -50,6 +50,7 @@ PART_SIZE = 32 << 20  # one upload part, the least a ranged GET asks for (S3's p
 PARTS_IN_FLIGHT = 4  # parts sent or fetched at once (CKPTKIT_S3_PARTS): memory holds this many parts
 RANGE_MAX = 1 << 30  # the most one ranged GET of a download asks for (read as a stream, PIECE at a time)
 PIECE = 8 << 20  # what a download's GET is read in: memory holds one piece per GET in flight
+_READ_ATTEMPTS = 5  # a ranged GET's stream, dropped, is asked for again from where it stopped (s3fs: 5)
 
 CRC_KEY = "ckptkit-crc32"  # user metadata on objects ckptkit writes: the CRC-32 a later read is held against
 _SMALL = 1 << 16  # the most a pointer object may hold
@@ -258,24 +259,29 @@ def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
         at = i * span
         end = min(at + span, size)
         value, pos = 0, at
-        try:
-            for piece in _ranged(fs, key, at, end):
-                if pos + len(piece) > end:
-                    break  # more than asked for: said below
-                if sink is not None:
-                    view = memoryview(piece)
-                    while view:  # pwrite may write less than asked
-                        view = view[os.pwrite(sink.fileno(), view, pos + len(piece) - len(view)) :]
-                value = crc32(piece, value)
-                pos += len(piece)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"{url}: the object went away while it was read; read it again", filename=url
-            ) from None
-        except Exception as e:  # noqa: BLE001 - the store's: OSError, botocore's or aiohttp's own
-            raise StorageError(
-                f"{url}: reading bytes {at}-{end} failed ({one_line(e)}); check the network and read it again"
-            ) from e
+        for attempt in range(1, _READ_ATTEMPTS + 1):  # a dropped stream resumes where it stopped
+            try:
+                for piece in _ranged(fs, key, pos, end):
+                    if pos + len(piece) > end:
+                        break  # more than asked for: said below
+                    if sink is not None:
+                        view = memoryview(piece)
+                        while view:  # pwrite may write less than asked
+                            view = view[os.pwrite(sink.fileno(), view, pos + len(piece) - len(view)) :]
+                    value = crc32(piece, value)
+                    pos += len(piece)
+                break
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"{url}: the object went away while it was read; read it again", filename=url
+                ) from None
+            except Exception as e:  # noqa: BLE001 - the store's: OSError, botocore's or aiohttp's own
+                if attempt < _READ_ATTEMPTS and store_failure(e):
+                    continue
+                raise StorageError(
+                    f"{url}: reading bytes {at}-{end} failed at byte {pos} ({one_line(e)}); check the network "
+                    "and read it again"
+                ) from e
         if pos != end:
             raise StorageError(
                 f"{url}: asked for bytes {at}-{end}, got {pos - at}: the object changed while it was read; read it again"

@@ -79,7 +79,8 @@ class PartStream(io.RawIOBase):
         self.head = bytearray()  # part 1, held for patches
         self.filling = bytearray()  # the part being filled
         self.size = self.pos = 0
-        self.sent: list[concurrent.futures.Future[tuple[dict[str, Any], int, int]]] = []
+        self.sent: list[concurrent.futures.Future[tuple[dict[str, Any], int, int]]] = []  # in part order
+        self.pending: set[concurrent.futures.Future[tuple[dict[str, Any], int, int]]] = set()  # not yet ended
         self.upload: dict[str, str] | None = None
         self.checked = False
         self.kept = self._kept()
@@ -148,29 +149,37 @@ class PartStream(io.RawIOBase):
     # -- the upload ----------------------------------------------------------------------------
 
     def _send(self, number: int, data: bytearray) -> None:
-        """Part ``number`` sent on a pool thread, once fewer than the pool's threads are in flight."""
+        """Part ``number`` sent on a pool thread, once fewer than the pool's threads are in flight;
+        a part that failed meanwhile fails the write here, not at the end."""
         if self.upload is None:
             upload.abort_left_uploads(self.fs, self.key)
             with upload.storing(self.url):
                 self.upload, self.checked = upload.create_upload(self.fs, self.bucket, self.path, None)
-        busy = [f for f in self.sent[-self.in_flight :] if not f.done()]
-        if len(busy) >= self.in_flight:  # memory holds the parts in flight: wait for one
-            concurrent.futures.wait(busy, return_when=concurrent.futures.FIRST_COMPLETED)
-        for f in busy:
-            if f.done():
-                f.result()  # a failed part fails the write now, not at the end
-        self.sent.append(self.pool.submit(self._part, self.upload, number, data))
+        self._settle()
+        while len(self.pending) >= self.in_flight:  # memory holds the parts in flight: wait for one
+            concurrent.futures.wait(self.pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._settle()
+        future = self.pool.submit(self._part, self.upload, number, data)
+        self.sent.append(future)
+        self.pending.add(future)
+
+    def _settle(self) -> None:
+        """The parts that ended leave :attr:`pending`; the first that failed raises its error."""
+        for f in [f for f in self.pending if f.done()]:
+            self.pending.discard(f)
+            f.result()
 
     def _part(self, ids: dict[str, str], number: int, data: bytearray) -> tuple[dict[str, Any], int, int]:
-        crc = crc32(data)
-        with upload.storing(self.url):
-            body = upload.PartBody(data)  # read a piece at a time: the client holds no copy
-            listed = upload.send_part(self.fs, ids, number, body, crc, checked=self.checked)
-        length = len(data)
-        body.data.release()  # the client's objects may live on in reference cycles: the part goes now
-        with contextlib.suppress(BufferError):
-            data.clear()
-        return listed, crc, length
+        body = upload.PartBody(data)  # read a piece at a time: the client holds no copy
+        try:
+            crc = crc32(data)
+            with upload.storing(self.url):
+                listed = upload.send_part(self.fs, ids, number, body, crc, checked=self.checked)
+            return listed, crc, len(data)
+        finally:  # the client's objects (or a failure's traceback) may outlive the call: the part goes now
+            body.data.release()
+            with contextlib.suppress(BufferError):
+                data.clear()
 
     def finish(self) -> None:
         """All bytes written: the last part sent, every part in, the local image complete."""
@@ -238,8 +247,10 @@ def streamed_write(url: str, checked: list[str] | None = None) -> Iterator[Path]
     """A local path to write, standing for ``url``: a file written to it by
     :func:`~.atomic.atomic_write` streams to ``url`` (:class:`PartStream`) and is committed when
     that write ends; one written otherwise is uploaded when the block ends
-    (:func:`~.upload.staged_write`'s way). Which check ran is appended to ``checked``. On error
-    nothing is committed. Stores other than S3 are always written the staged way."""
+    (:func:`~.upload.staged_write`'s way). Which check ran is appended to ``checked``. A write
+    that fails commits nothing; a streamed file is committed as its atomic write ends (as a local
+    file is renamed into place then), not when this block does. Stores other than S3 are always
+    written the staged way."""
     fs, _ = filesystem(url)  # a missing extra fails before anything is written
     if "s3" not in protocols(fs):
         with upload.staged_write(url, checked) as local:

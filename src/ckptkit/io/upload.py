@@ -275,6 +275,8 @@ def complete_upload(
     except Exception:
         if not _holds(fs, f"{upload['Bucket']}/{upload['Key']}", size=size, crc=crc):
             raise
+        with contextlib.suppress(Exception):  # completed: the store answers NoSuchUpload; refused: not left open
+            s3_call(fs, "abort_multipart_upload", **upload)
         return stored_crc(fs, upload["Bucket"], upload["Key"])  # None: the caller reads it back, and says so
     if not checked:
         return None

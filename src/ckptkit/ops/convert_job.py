@@ -299,10 +299,11 @@ def fast_cast(view: View, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str,
 def staged_convert(
     src: Location, dst: Location, convert: Callable[..., ConvertReport], **options: Any
 ) -> ConvertReport:
-    """``convert`` on local files: a URL's object (or a prefix's folder of objects) staged locally;
-    an output to a URL written and checked locally, then uploaded (whole or not at all: a failed
-    upload leaves the previous object) and checked, a folder's files each so, its index (or
-    ``.metadata``) last."""
+    """``convert`` on local paths: a URL's object (or a prefix's folder of objects) staged locally;
+    a file output to S3 streamed to the store as it is written (:mod:`ckptkit.io.streamed`), any
+    other output to a URL written and checked locally, then uploaded; each committed whole or not
+    at all (a failure leaves the previous object) and checked, a folder's files each so, its index
+    (or ``.metadata``) last."""
     folder = dst.given.endswith("/") or options.get("max_shard_size") is not None or options.get("format") is not None
     if dst.remote:
         url = dst.spelled

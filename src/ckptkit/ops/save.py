@@ -44,8 +44,8 @@ def save_on_master(obj: Any, path: str | os.PathLike[str], *, timeout: float = _
     Args:
         obj: what to save: anything ``torch.save`` takes, or for a ``.safetensors`` path a
             mapping of tensors (or a module).
-        path: the destination; its folder must exist. A URL (``s3://bucket/key.pt``) is staged
-            locally, uploaded and read back before any rank returns.
+        path: the destination; its folder must exist. A URL (``s3://bucket/key.pt``) is streamed
+            to the store, committed and checked before any rank returns.
         timeout: seconds the other ranks wait for rank 0's write at most.
 
     Raises:

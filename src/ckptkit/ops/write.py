@@ -36,8 +36,9 @@ def write_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write ``obj`` to ``path`` atomically and durably, in the format its suffix names.
 
     Not a collective: every caller writes (use :func:`save_on_master` under DDP). A URL
-    (``s3://bucket/key.pt``, any fsspec URL; ``pip install 'ckptkit[s3]'``) is written to a local
-    staging file, checked, uploaded (the object appears whole or not at all) and read back.
+    (``s3://bucket/key.pt``, any fsspec URL; ``pip install 'ckptkit[s3]'``) is streamed to the
+    store as it is written (another store's: staged in a local file, then uploaded), checked, and
+    committed whole or not at all, then checked by the store's CRC-32 of it or read back.
     ``.safetensors`` takes a mapping of tensors or an ``nn.Module`` (its state dict; tied
     tensors are stored once and re-tied on load). Any other suffix gets torch's zip format.
 

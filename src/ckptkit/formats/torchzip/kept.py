@@ -7,20 +7,18 @@ headers as the writer appends them, so the local image of a streamed zip holds i
 pickle and directory, and holes where the storages are.
 
 Example:
-    >>> kept = RecordsKept()
-    >>> header = LOCAL.pack(0x04034B50, 20, 0, 0, 0, 0x21, 0, 3, 3, 14, 0) + b"archive/data/0"
-    >>> kept.feed(0, header + b"abc" + b"PK\\x01\\x02")
-    [(0, 44), (47, 51)]
+    >>> def record(name: bytes, data: bytes) -> bytes:  # a stored record's local header, then its bytes
+    ...     return LOCAL.pack(0x04034B50, 20, 0, 0, 0, 0x21, 0, len(data), len(data), len(name), 0) + name + data
+    >>> zipped = record(b"archive/data.pkl", b".") + record(b"archive/data/0", b"abc") + b"PK\x01\x02"
+    >>> RecordsKept().feed(0, zipped)  # all but the storage's 3 bytes (at 91)
+    [(0, 91), (94, 98)]
 """
 
 from __future__ import annotations
 
-import re
 import struct
 
 from .directory import LOCAL, U32
-
-_STORAGE = re.compile(r"(?:^|/)data/[^/]+")  # a tensor storage's record (archive/data/0), not .data/...
 
 
 class RecordsKept:
@@ -33,6 +31,7 @@ class RecordsKept:
         self.payload_end = 0  # the end of the record whose bytes are passing
         self.keep_payload = True
         self.tail = False  # in the central directory (or what follows the last record)
+        self.storages: str | None = None  # "archive/data/": the first record names the archive's folder
 
     def feed(self, offset: int, data: bytes | memoryview) -> list[tuple[int, int]]:
         end = offset + len(data)
@@ -75,7 +74,11 @@ class RecordsKept:
         if compressed == U32:  # zip64: the sizes are in the extra field (uncompressed, then compressed)
             compressed = _zip64_compressed(bytes(self.header[LOCAL.size + name_len :]), compressed)
         self.payload_end = pos + compressed
-        self.keep_payload = _STORAGE.search(name) is None
+        if self.storages is None:  # torch's first record is <folder>/data.pkl, whatever the folder's name
+            folder = name.rpartition("/")[0]
+            self.storages = f"{folder}/data/" if folder else "data/"
+        storage = name.startswith(self.storages) and "/" not in name[len(self.storages) :]
+        self.keep_payload = not storage
         self.header = bytearray()
 
 

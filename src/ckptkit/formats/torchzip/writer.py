@@ -104,9 +104,12 @@ class ZipWriter:
         the local header written before them: one pass over the data.
         """
         known = None if self.patchable else crc32(buf)  # a stream cannot go back: one pass more, in memory
-        return self.add_written(name, memoryview(buf).nbytes, lambda: write_checked(self.f, buf, progress), crc=known)
+        write = lambda: write_checked(self.f, buf, progress)  # noqa: E731
+        return self.add_written(name, memoryview(buf).nbytes, write, crc=known, ours=True)
 
-    def add_written(self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None) -> int:
+    def add_written(
+        self, name: str, size: int, write: Callable[[], int], *, crc: int | None = None, ours: bool = False
+    ) -> int:
         """Store ``size`` bytes that ``write()`` appends to ``self.f``, returning their CRC-32 (pieces
         of a tensor copied from several files). The header gets ``crc`` where the caller knows what
         the bytes' CRC should be (a DCP tensor's, from its chunks'), else it is patched in after;
@@ -120,9 +123,11 @@ class ZipWriter:
         if self.f.tell() - start != size:  # the header's sizes came first: they must be what was written
             raise CheckpointFormatError(f"record {name}: {self.f.tell() - start} bytes written, its header says {size}")
         if got != crc and not self.patchable:  # the header went out with the CRC-32 the bytes were to have
+            if not ours:  # the source's recorded CRC-32: its reader reports the damage, and nothing is committed
+                return got
             raise CheckpointFormatError(
-                f"record {name}: its bytes were read with CRC-32 {got:08x}, not {crc or 0:08x} as when its header "
-                "was written (changed, or damaged, while copied); nothing was written"
+                f"record {name}: its bytes were read with CRC-32 {got:08x}, not {crc or 0:08x} as a first read "
+                "found (changed while copied); nothing was written"
             )
         if got != crc:  # a write into a header already written back costs the disk a second write
             os.pwrite(self.f.fileno(), struct.pack("<I", got), offset + 14)  # the local header's CRC-32 field
@@ -154,10 +159,10 @@ class ZipWriter:
         """Store an entry's bytes (a compressed zip record as it is); returns their CRC-32 as
         written, which the entry's source holds against what it records (None: compressed)."""
         if e.zip is None:
-            crc = e.find_crc()
+            crc, ours = e.find_crc(), False
             if crc is None and not self.patchable:  # no CRC-32 recorded, and a stream cannot go back: read twice
-                crc = e.write(cast(BinaryIO, _Counted()), None) or 0
-            return self.add_written(name, e.nbytes, lambda: e.write(self.f, progress) or 0, crc=crc)
+                crc, ours = e.write(cast(BinaryIO, _Counted()), None) or 0, True
+            return self.add_written(name, e.nbytes, lambda: e.write(self.f, progress) or 0, crc=crc, ours=ours)
         method, size = e.zip
         self._header(name.encode(), e.crc or 0, e.nbytes, size, method)
         return e.write(self.f, progress)
