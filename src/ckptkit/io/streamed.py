@@ -32,7 +32,7 @@ from . import remote, upload
 from .atomic import Kept, written_elsewhere
 from .crcmath import crc32_combine
 from .fileio import crc32
-from .remote import filesystem, naming, protocols, s3_call, staging
+from .remote import filesystem, naming, protocols, staging
 
 STREAM_PART = 16 << 20  # a streamed part (the first and the growing later ones aside)
 _STEP = 1000  # parts of one size before the next size: 10,000 parts reach about 860 GiB
@@ -215,8 +215,7 @@ class PartStream(io.RawIOBase):
             f.cancel()
         concurrent.futures.wait(self.sent)
         if self.upload is not None:
-            with contextlib.suppress(Exception):
-                s3_call(self.fs, "abort_multipart_upload", **self.upload)
+            upload.abort_upload(self.fs, self.upload)
             self.upload = None
 
     def close(self) -> None:

@@ -219,8 +219,7 @@ def _s3_upload(fs: Any, key: str, local: Path, *, size: int, crc: int, part: int
                 raise _changed(local, url=f"s3://{key}")
             return complete_upload(fs, upload, parts, crc, checked=checked, size=size)
         except BaseException:  # an interrupt too: abort, so no partial object is ever committed
-            with contextlib.suppress(Exception):
-                s3_call(fs, "abort_multipart_upload", **upload)
+            abort_upload(fs, upload)
             raise
 
 
@@ -260,6 +259,13 @@ def send_part(fs: Any, upload: Mapping[str, str], number: int, body: Any, crc: i
     return {"PartNumber": number, "ETag": r["ETag"], **extra}
 
 
+def abort_upload(fs: Any, upload: Mapping[str, str]) -> None:
+    """Abandon a multipart upload (best effort: the first failure is the one to report; one left
+    open is aborted by the next write to its key)."""
+    with contextlib.suppress(Exception):
+        s3_call(fs, "abort_multipart_upload", **upload)
+
+
 def complete_upload(
     fs: Any, upload: Mapping[str, str], parts: list[dict[str, Any]], crc: int, *, checked: bool, size: int
 ) -> int | None:
@@ -275,8 +281,7 @@ def complete_upload(
     except Exception:
         if not _holds(fs, f"{upload['Bucket']}/{upload['Key']}", size=size, crc=crc):
             raise
-        with contextlib.suppress(Exception):  # completed: the store answers NoSuchUpload; refused: not left open
-            s3_call(fs, "abort_multipart_upload", **upload)
+        abort_upload(fs, upload)  # completed: the store answers NoSuchUpload; refused: not left open
         return stored_crc(fs, upload["Bucket"], upload["Key"])  # None: the caller reads it back, and says so
     if not checked:
         return None
