@@ -64,12 +64,20 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     ap.add_argument(
         "--direction",
-        choices=["both", "up"],
+        choices=["both", "up", "down"],
         default="both",
-        help="up: the uploads only (moto reads a whole object to answer each ranged GET, so 4 GETs of a "
-        "4 GiB object at once would hold about 20 GiB in the server)",
+        help="up or down: the uploads or the downloads only",
+    )
+    ap.add_argument(
+        "--parts",
+        type=int,
+        default=None,
+        help="CKPTKIT_S3_PARTS for ckptkit's commands (default: ckptkit's own). moto reads the whole object "
+        "to answer each ranged GET, so N GETs at once of an S GiB object hold about N x S GiB in the server",
     )
     args = ap.parse_args()
+    if args.parts is not None:
+        os.environ["CKPTKIT_S3_PARTS"] = str(args.parts)  # s3fs reads none of ckptkit's settings
     server, endpoint = start_server()
     os.environ.update(
         AWS_ACCESS_KEY_ID="testing",
@@ -91,7 +99,7 @@ def main() -> int:
         make_checkpoint(src, args.gib)
         size = src.stat().st_size
         url = f"s3://{BUCKET}/ddp.pt"
-        if args.direction == "both":
+        if args.direction != "up":
             s3fs.S3FileSystem().put_file(str(src), url)  # the s3 -> local source, untimed
         py = sys.executable
         cases = {
@@ -118,6 +126,8 @@ def main() -> int:
         }
         if args.direction == "up":
             cases = {k: v for k, v in cases.items() if "-> s3://" in k or "put_file" in k}
+        elif args.direction == "down":
+            cases = {k: v for k, v in cases.items() if "s3:// ->" in k or "get_file" in k}
         times: dict[str, list[float]] = {name: [] for name in cases}
         mems: dict[str, int] = dict.fromkeys(cases, 0)
         for name in rounds(list(cases), args.runs):
@@ -131,6 +141,7 @@ def main() -> int:
         base = {"ckptkit convert s3:// -> local": "s3fs get_file", "ckptkit convert local -> s3://": "s3fs put_file"}
         print(
             f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes), local moto S3 server, {args.runs} interleaved run(s)"
+            + (f", CKPTKIT_S3_PARTS={args.parts}" if args.parts is not None else "")
         )
         print("| command | min / median / max s | x s3fs | peak RssAnon MiB |")
         print("|---|---|---:|---:|")

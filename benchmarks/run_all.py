@@ -140,12 +140,14 @@ SECTIONS = [
         "straight into the upload (no staging file): 16 MiB parts, 4 at a time, each with its CRC-32, the "
         "zip's own check run on a sparse local image of its headers before the upload is completed with the "
         "whole object's CRC-32, which the store checks (moto keeps it; ckptkit reads it with one HeadObject "
-        "instead of reading the object back). s3fs sends ten 50 MiB parts at once. At 4 GiB, the uploads "
-        "only: moto reads the whole object to answer each ranged GET, so 4 GETs at once of a 4 GiB object "
-        "would hold about 20 GiB in the server, this machine's RAM (read from moto's code, not run).",
+        "instead of reading the object back). s3fs sends ten 50 MiB parts at once. At 4 GiB, the uploads and "
+        "the downloads run apart, the downloads with `CKPTKIT_S3_PARTS=2`: moto reads the whole object to answer "
+        "each ranged GET, so ckptkit's default 4 GETs at once of a 4 GiB object would hold about 20 GiB in the "
+        "server (read from moto's code), this machine's RAM; 2 at once hold about 10 GiB.",
         (
             ("bench_s3.py", "--gib", "1", "--runs", "3"),
             ("bench_s3.py", "--gib", "4", "--runs", "1", "--direction", "up"),
+            ("bench_s3.py", "--gib", "4", "--runs", "2", "--direction", "down", "--parts", "2"),
         ),
     ),
     Section(
