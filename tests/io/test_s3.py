@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.io import remote
+from ckptkit.io import records, remote
 from tests.cli.test_exits import lines, run
 from tests.conftest import ROOT
 
@@ -500,16 +500,16 @@ def test_an_unknown_folder_format_is_a_usage_error_not_a_key_error(tmp_path: Pat
 def test_the_writer_record_is_written_only_on_its_condition(prefix: str) -> None:
     """If-None-Match: * creates, If-Match: <ETag> replaces; the store refuses either once another wrote."""
     url = f"{prefix}/run/.ckptkit-writer"
-    first = remote.put_record(url, b"a", if_match=None)
-    assert first is not None and remote.put_record(url, b"b", if_match=None) is None
-    second = remote.put_record(url, b"c", if_match=first)
+    first = records.put_record(url, b"a", if_match=None)
+    assert first is not None and records.put_record(url, b"b", if_match=None) is None
+    second = records.put_record(url, b"c", if_match=first)
     assert second is not None and second != first
-    assert remote.put_record(url, b"d", if_match=first) is None  # a writer holding a stale view loses
-    assert remote.read_record(url) == (b"c", second)
-    remote.delete_record(url, first)  # not the version there: left alone
-    assert remote.read_record(url) == (b"c", second)
-    remote.delete_record(url, second)
-    assert remote.read_record(url) is None
+    assert records.put_record(url, b"d", if_match=first) is None  # a writer holding a stale view loses
+    assert records.read_record(url) == (b"c", second)
+    records.delete_record(url, first)  # not the version there: left alone
+    assert records.read_record(url) == (b"c", second)
+    records.delete_record(url, second)
+    assert records.read_record(url) is None
 
 
 def test_a_url_folder_refuses_a_second_writer_and_takes_over_a_killed_one(prefix: str) -> None:
@@ -814,6 +814,84 @@ def test_a_file_output_streams_to_the_store_keeping_only_its_headers_locally(
     assert not list((tmp_path / "staging").iterdir())
 
 
+# Was: a folder output was written whole in $CKPTKIT_STAGING, then uploaded file by file.
+@pytest.mark.parametrize("source", [".pt", "dcp"])
+def test_hf_shards_stream_to_an_empty_prefix_keeping_only_their_headers_locally(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, checked_by: str
+) -> None:
+    from ckptkit.io import streamed, upload
+
+    uploaded: list[str] = []
+    upload_verified = upload.upload_verified
+
+    def staged(local: Path, url: str) -> str:
+        uploaded.append(local.name)
+        return upload_verified(local, url)
+
+    monkeypatch.setattr(upload, "upload_verified", staged)
+    held: list[tuple[int, int]] = []  # each shard's local image: its size and the bytes it holds on disk
+    finish = streamed.PartStream.finish
+
+    def measured(self: Any) -> None:
+        finish(self)
+        st = os.stat(self.image_path)
+        held.append((st.st_size, st.st_blocks * 512))
+
+    monkeypatch.setattr(streamed.PartStream, "finish", measured)
+    state = {"a.weight": torch.randn(3 << 20), "b.weight": torch.randn(3 << 20), "b.bias": torch.randn(7)}
+    if source == "dcp":
+        ckptkit.convert_checkpoint(_saved(tmp_path, state), tmp_path / "ckpt.dcp", format="dcp")
+        src = tmp_path / "ckpt.dcp"
+    else:
+        src = _saved(tmp_path, state)
+    url = f"{prefix}/out/"
+    report = ckptkit.convert_checkpoint(src, url, max_shard_size="13MB")
+    names = sorted(n.rsplit("/", 1)[-1] for n in _fs().ls(url))
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert len(shards) == 2 and uploaded == ["model.safetensors.index.json"], (
+        names,
+        uploaded,
+    )  # the index alone staged
+    assert len(held) == 2 and all(size > 12 << 20 and disk < 256 << 10 for size, disk in held), held
+    assert sorted(size for size, _ in held) == sorted(_fs().size(f"{url}{n}") for n in shards)
+    said = [n for n in report.notes if n.startswith(f"{prefix}/out/: ")]
+    assert sum(int(n.split(": ")[1].split(" ")[0]) for n in said) == 3, report.notes  # each file, by its check
+    assert any(n.endswith(f"checked by {checked_by}") for n in said), report.notes
+    assert _equal(ckptkit.read_checkpoint(f"{prefix}/out"), state)
+    assert not list((tmp_path / "staging").iterdir())
+
+
+def _saved(tmp_path: Path, state: dict[str, torch.Tensor]) -> Path:
+    torch.save(state, tmp_path / "src.pt")
+    return tmp_path / "src.pt"
+
+
+def test_a_streamed_folder_that_fails_midway_publishes_no_index_and_leaves_no_upload_open(
+    prefix: str, s3_endpoint: str, tmp_path: Path
+) -> None:
+    from tests.io.test_crc import flip
+
+    state = {"a.weight": torch.randn(3 << 20), "b.weight": torch.randn(3 << 20)}
+    flip(_saved(tmp_path, state), "b.weight")  # found as the second shard is copied
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="b.weight"):
+        ckptkit.convert_checkpoint(tmp_path / "src.pt", f"{prefix}/out/", max_shard_size="13MB")
+    names = [n.rsplit("/", 1)[-1] for n in _fs().ls(f"{prefix}/out")] if _fs().exists(f"{prefix}/out") else []
+    assert "model.safetensors.index.json" not in names, names
+    assert _unfinished_uploads(s3_endpoint, _key(prefix)) == []
+    assert not list((tmp_path / "staging").iterdir())
+
+
+def test_replacing_a_folder_that_then_fails_leaves_the_earlier_one_whole(prefix: str, tmp_path: Path) -> None:
+    from tests.io.test_crc import flip
+
+    old = {"a.weight": torch.randn(3 << 20), "b.weight": torch.randn(3 << 20)}
+    ckptkit.convert_checkpoint(_saved(tmp_path, old), f"{prefix}/out/", max_shard_size="13MB")
+    flip(_saved(tmp_path, {k: v + 1 for k, v in old.items()}), "b.weight")
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="b.weight"):
+        ckptkit.convert_checkpoint(tmp_path / "src.pt", f"{prefix}/out/", max_shard_size="13MB", force=True)
+    assert _equal(ckptkit.read_checkpoint(f"{prefix}/out"), old)  # staged: nothing was sent before the failure
+
+
 def test_a_streamed_file_that_fails_its_own_check_commits_nothing(
     prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -971,3 +1049,139 @@ def test_a_full_local_disk_under_a_stream_is_one_error_naming_the_url(
     url = f"{prefix}/out.safetensors"
     with pytest.raises(ckptkit.errors.CheckpointWriteError, match=f"cannot write {url}: no space left"):
         ckptkit.save_on_master(_state(9), url)
+
+
+# -- reads through ranged GETs, nothing staged -------------------------------------------------
+
+
+def _fetched(monkeypatch: pytest.MonkeyPatch, key: str) -> list[tuple[int, int]]:
+    """The byte ranges each GET of the object ``key`` asks for, as (start, end)."""
+    asked: list[tuple[int, int]] = []
+
+    def count(method: str, kwargs: dict[str, Any]) -> None:
+        if method == "get_object" and kwargs.get("Key") == key:
+            start, end = kwargs["Range"].removeprefix("bytes=").split("-")
+            asked.append((int(start), int(end) + 1))
+
+    _on_call(monkeypatch, count)
+    return asked
+
+
+@pytest.fixture
+def ranged(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Runs of 1 MiB (a 12 MiB object takes twelve), and staging a URL's object forbidden."""
+    from ckptkit.io import ranged
+
+    def staged(url: str, local: Path) -> int:
+        raise AssertionError(f"{url} was staged whole in {local}")
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    monkeypatch.setattr(remote, "download", staged)
+    return ranged
+
+
+def _uploaded(tmp_path: Path, url: str, suffix: str, state: dict[str, torch.Tensor]) -> None:
+    """``state`` written by torch or the safetensors package (no CRC-32s of ckptkit's inside), then
+    uploaded by ckptkit (which records the object's CRC-32)."""
+    from safetensors.torch import save_file
+
+    from ckptkit.io import upload
+
+    local = tmp_path / f"third_party{suffix}"
+    if suffix == ".pt":
+        torch.save(state, local)
+    else:
+        save_file(state, local)
+    upload.upload_verified(local, url)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_inspect_and_a_structure_check_of_a_url_read_a_few_ranges(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranged: Any, suffix: str
+) -> None:
+    url = f"{prefix}/big{suffix}"
+    _uploaded(tmp_path, url, suffix, {"w": torch.randn(3 << 20), "b": torch.randn(7)})
+    size = _fs().size(url)
+    asked = _fetched(monkeypatch, _key(url))
+    summary = ckptkit.inspect_checkpoint(url)
+    assert summary.path == url and sorted(t.name for t in summary.tensors) == ["b", "w"]
+    assert ckptkit.verify_checkpoint(url, full=False).ok
+    assert 0 < sum(end - start for start, end in asked) <= size // 3, (asked, size)
+    assert not list((tmp_path / "staging").iterdir())
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("out", [".safetensors", ".pt"])
+def test_convert_from_a_url_reads_it_through_ranged_gets_exactly(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranged: Any, suffix: str, out: str
+) -> None:
+    url = f"{prefix}/src{suffix}"
+    state = {"module.a": torch.randn(3 << 20), "module.b": torch.randn(1 << 20), "module.c": torch.arange(5)}
+    _uploaded(tmp_path, url, suffix, state)
+    size = _fs().size(url)
+    asked = _fetched(monkeypatch, _key(url))
+    ckptkit.convert_checkpoint(url, tmp_path / f"single{out}")
+    got = ckptkit.read_checkpoint(tmp_path / f"single{out}")
+    assert _equal(dict(sorted(got.items())), {k.removeprefix("module."): v for k, v in state.items()})
+    runs = [start // (1 << 20) for start, _ in asked]
+    assert sorted(set(runs)) == list(range(-(-size // (1 << 20)))), runs  # every byte read, none staged
+    assert len(runs) <= len(set(runs)) + 2, runs  # each run once, but for a header read again
+    assert ckptkit.verify_checkpoint(url).ok
+    assert not list((tmp_path / "staging").iterdir())
+
+
+def test_a_damaged_object_read_through_ranges_fails_its_recorded_crc(
+    prefix: str, s3_endpoint: str, tmp_path: Path, ranged: Any
+) -> None:
+    url = f"{prefix}/model.safetensors"
+    _uploaded(tmp_path, url, ".safetensors", {"w": torch.randn(3 << 20)})
+    good = _fs().cat_file(url)
+    data = bytearray(good)
+    data[len(data) // 2] ^= 1  # inside w: the file records no CRC-32 of its own, the upload did
+    meta = {remote.CRC_KEY: f"{zlib.crc32(good):08x}"}
+    _client(s3_endpoint).put_object(Bucket=BUCKET, Key=_key(url), Body=bytes(data), Metadata=meta)
+    with pytest.raises(
+        ckptkit.errors.CheckpointFormatError, match=f"{url}: its bytes have CRC-32 .* but ckptkit recorded"
+    ):
+        ckptkit.convert_checkpoint(url, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    assert not ckptkit.verify_checkpoint(url).ok
+
+
+def test_an_object_replaced_while_it_is_read_through_ranges_is_refused(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranged: Any
+) -> None:
+    url = f"{prefix}/ckpt.pt"
+    ckptkit.save_on_master(_state(1), url)
+    replaced: list[bool] = []
+
+    def writer(method: str, kwargs: dict[str, Any]) -> None:
+        if method == "get_object" and kwargs.get("Key") == _key(url) and "Range" in kwargs and not replaced:
+            replaced.append(True)
+            client = _client(s3_endpoint)
+            body = client.get_object(Bucket=BUCKET, Key=_key(url))["Body"].read()
+            client.put_object(Bucket=BUCKET, Key=_key(url), Body=body[:-1] + b"x")
+
+    _on_call(monkeypatch, writer)
+    with pytest.raises(ckptkit.errors.StorageError, match=f"{url}: the object was replaced while it was read"):
+        ckptkit.convert_checkpoint(url, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_what_torch_reads_of_a_url_is_copied_whole_first(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    url = f"{prefix}/ckpt.pt"
+    state = _state(2)
+    ckptkit.save_on_master(state, url)
+    trusted = ckptkit.inspect_checkpoint(url, trust=True)  # described by what torch builds
+    assert trusted.loaded_with_torch and sorted(t.name for t in trusted.tensors) == sorted(state)
+    report = ckptkit.convert_checkpoint(url, tmp_path / "out.safetensors", trust=True)
+    assert report.destination == str(tmp_path / "out.safetensors")
+    assert _equal(
+        ckptkit.read_checkpoint(tmp_path / "out.safetensors"), {k.removeprefix("module."): v for k, v in state.items()}
+    )
+    assert not list((tmp_path / "staging").iterdir())

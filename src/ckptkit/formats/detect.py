@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ..io.fileio import open_regular
+from ..io.fileio import file_size, open_regular
 
 HEAD = 16  # bytes each file signature is shown
 
@@ -93,7 +93,7 @@ def detect_format(path: str | os.PathLike[str], among: Sequence[Signature]) -> s
         listed = ", ".join(marks[:-1]) + (" or " if len(marks) > 1 else "") + marks[-1] if marks else "a checkpoint"
         raise CheckpointFormatError(f"{p}: is a folder without {listed}; give a file")
     with open_regular(p) as f:
-        if os.fstat(f.fileno()).st_size == 0:
+        if file_size(f) == 0:
             raise CheckpointFormatError(f"{p}: file is empty")
         head = f.read(8)
     kinds = [s.what for s in among]

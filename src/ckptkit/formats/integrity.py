@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Literal
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, summarize
 from ..io.atomic import Kept
-from ..io.fileio import Progress, crc32, crc_of_range
+from ..io.fileio import Progress, crc32, crc_of_range, open_regular
 from .hf.detect import HF, shard_format
 from .hf.index import read_index
 from .pickles import reader as tp
@@ -244,7 +244,7 @@ def check_recorded_crcs(path: str | os.PathLike[str], fmt: str, *, progress: Pro
                 damage.check(rec, rec.crc, record_crc(z, rec, progress))
             damage.raise_if_any()
     elif fmt == SAFETENSORS:
-        with open(source, "rb") as f:
+        with open_regular(source) as f:
             header, start = read_header(f, source=source)
             recorded = parse_crcs(header.pop("__metadata__", None) or {}, source)
             damage = Damage(source, lambda name: tensors_named([name]))

@@ -152,13 +152,17 @@ class Kept(Protocol):
     def feed(self, offset: int, data: bytes | memoryview) -> list[tuple[int, int]]: ...
 
 
+Opener = Callable[..., contextlib.AbstractContextManager[BinaryIO]]
+
 # Paths whose writes go elsewhere (io.streamed: a staging path standing for a URL): the opener
-# gives the file to write, and publishes it (or nothing) when its block ends.
-_ELSEWHERE: dict[str, Callable[..., contextlib.AbstractContextManager[BinaryIO]]] = {}
+# gives the file to write, and publishes it (or nothing) when its block ends. Folders: each new
+# file's name routed to an opener, or None (written locally).
+_ELSEWHERE: dict[str, Opener] = {}
+_FOLDERS: dict[str, Callable[[Path], Opener | None]] = {}
 
 
 @contextlib.contextmanager
-def written_elsewhere(path: Path, opener: Callable[..., contextlib.AbstractContextManager[BinaryIO]]) -> Iterator[None]:
+def written_elsewhere(path: Path, opener: Opener) -> Iterator[None]:
     """Within the block, :func:`atomic_write` of ``path`` writes through ``opener(check=, kept=)``."""
     key = os.path.abspath(path)
     _ELSEWHERE[key] = opener
@@ -166,6 +170,39 @@ def written_elsewhere(path: Path, opener: Callable[..., contextlib.AbstractConte
         yield
     finally:
         del _ELSEWHERE[key]
+
+
+@contextlib.contextmanager
+def folder_written_elsewhere(folder: Path, route: Callable[[Path], Opener | None]) -> Iterator[None]:
+    """Within the block, a new file of the folder output ``folder`` (:func:`streamed_file`, in the
+    temp folder :mod:`.atomicdir` writes it in) writes through ``route(path)`` where that is not None."""
+    key = os.path.abspath(folder)
+    _FOLDERS[key] = route
+    try:
+        yield
+    finally:
+        del _FOLDERS[key]
+
+
+def folder_route(folder: Path) -> Callable[[Path], Opener | None] | None:
+    """The route :func:`folder_written_elsewhere` set for ``folder``, if any."""
+    return _FOLDERS.get(os.path.abspath(folder))
+
+
+def streamed_file(
+    path: Path, *, check: Callable[[Path], None] | None = None, kept: Callable[[], Kept] | None = None
+) -> contextlib.AbstractContextManager[BinaryIO] | None:
+    """Where ``path``, a new file of a folder output, stands for an object streamed to a store
+    (:func:`folder_written_elsewhere`): the file to write, ``check`` ed and committed as its block
+    ends (nothing committed on error). None: write it locally, as usual.
+
+    Example:
+        >>> streamed_file(Path("out/model.safetensors")) is None  # no store behind this folder
+        True
+    """
+    route = folder_route(path.parent)
+    opener = route(path) if route is not None else None
+    return opener(check=check, kept=kept) if opener is not None else None
 
 
 @contextlib.contextmanager

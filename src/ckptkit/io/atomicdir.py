@@ -23,7 +23,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import ArgumentError, CheckpointWriteError, CkptkitError, spell, summarize
-from .atomic import describe_error, fsync_dir, name_stem, remove_stale_temps, temp_path
+from .atomic import (
+    describe_error,
+    folder_route,
+    folder_written_elsewhere,
+    fsync_dir,
+    name_stem,
+    remove_stale_temps,
+    temp_path,
+)
 
 _RENAME_EXCHANGE = 2
 
@@ -105,7 +113,9 @@ def atomic_folder(path: str | os.PathLike[str], *, check: Callable[[Path], None]
         except OSError:  # nothing made (another writer's name, a read-only or full filesystem)
             mine = False
             raise
-        yield tmp
+        route = folder_route(dest)  # a folder standing for a store's prefix: its files stream there
+        with folder_written_elsewhere(tmp, route) if route is not None else contextlib.nullcontext():
+            yield tmp
         fsync_dir(tmp)
         if check is not None:
             checking = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import mmap
 import os
@@ -53,6 +54,66 @@ _KINDS = (  # what may sit where a file was expected, as messages name it
 )
 
 
+# Paths standing for an object read elsewhere (io.store: a URL's object read through ranged GETs,
+# io.ranged): open_regular opens the object instead, and local_file fetches it whole into the
+# path first. (opener, fill) by absolute path.
+_ELSEWHERE: dict[str, tuple[Callable[[], BinaryIO], Callable[[], None]]] = {}
+
+
+@contextlib.contextmanager
+def read_elsewhere(
+    path: str | os.PathLike[str], opener: Callable[[], BinaryIO], fill: Callable[[], None]
+) -> Iterator[None]:
+    """Within the block, :func:`open_regular` of ``path`` gives ``opener()``'s file, and
+    :func:`local_file` first runs ``fill()``, which makes ``path`` a local copy of it."""
+    key = os.path.abspath(path)
+    _ELSEWHERE[key] = (opener, fill)
+    try:
+        yield
+    finally:
+        _ELSEWHERE.pop(key, None)
+
+
+def local_file(path: str | os.PathLike[str]) -> str:
+    """``path`` as a file a reader that opens paths itself (torch, the safetensors package) can open:
+    where it stands for an object read elsewhere (:func:`read_elsewhere`), the object is copied
+    into it whole first (from then on it is read locally).
+
+    Example:
+        >>> local_file("model.safetensors")
+        'model.safetensors'
+    """
+    found = _ELSEWHERE.pop(os.path.abspath(path), None)
+    if found is not None:
+        found[1]()
+    return os.fspath(path)
+
+
+def file_size(f: BinaryIO) -> int:
+    """The size of the open file ``f`` (a local file, or an object read elsewhere)."""
+    try:
+        return os.fstat(f.fileno()).st_size
+    except io.UnsupportedOperation:  # an object in a store: no descriptor
+        pos = f.tell()
+        end = f.seek(0, os.SEEK_END)
+        f.seek(pos)
+        return end
+
+
+def pread(f: BinaryIO, length: int, offset: int) -> bytes:
+    """``length`` bytes of the open file ``f`` from ``offset`` (fewer at its end); its position is
+    unmoved where it has a descriptor (``os.pread``), restored where it has none."""
+    try:
+        fd = f.fileno()
+    except io.UnsupportedOperation:  # an object in a store
+        pos = f.tell()
+        f.seek(offset)
+        data = f.read(length)
+        f.seek(pos)
+        return data
+    return os.pread(fd, length, offset)
+
+
 def open_regular(path: str | os.PathLike[str], *, folder: str | os.PathLike[str] | None = None) -> BinaryIO:
     """Open ``path`` for reading where it is a regular file, or a symlink to one (the Hugging Face
     cache links every file); else raise, saying what is there instead.
@@ -83,6 +144,9 @@ def open_regular(path: str | os.PathLike[str], *, folder: str | os.PathLike[str]
         Traceback (most recent call last):
         ckptkit.errors.CheckpointFormatError: /dev/null: is a character device, not a regular file; give a checkpoint file (copy what it holds to a file first)
     """
+    elsewhere = _ELSEWHERE.get(os.path.abspath(path))
+    if elsewhere is not None:
+        return elsewhere[0]()
     require_regular(path, folder=folder)  # a device is never opened: opening one may act
     try:
         f = open(path, "rb", opener=_nonblocking)  # noqa: SIM115 - the caller's to close
@@ -190,7 +254,7 @@ class ClampedReader:
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
-        self._end = os.fstat(f.fileno()).st_size
+        self._end = file_size(f)
 
     def _left(self, n: int | None) -> int:
         left = max(0, self._end - self._f.tell())
@@ -232,7 +296,8 @@ def copy_range(
     source, so checking costs little more than the copy and nothing is copied into Python.
 
     A ``dst`` without a file descriptor (``fileno`` raises: ``convert --dtype``'s sink, which casts
-    each piece as it comes, or a stream to a store) is written through Python, in steps of at most 8 MiB.
+    each piece as it comes, or a stream to a store), or a ``src`` without one (an object read from a
+    store), is copied through Python, in steps of at most 8 MiB.
 
     Example:
         >>> import tempfile
@@ -247,13 +312,20 @@ def copy_range(
         out = dst.fileno()
     except (AttributeError, OSError):  # a sink that is no file (a cast converts each piece): read and written in Python
         out = -1
-    inp = src.fileno()
+    try:
+        inp = src.fileno()
+    except io.UnsupportedOperation:  # an object in a store (io.ranged): read through Python
+        inp = -1
     written_at = os.lseek(out, 0, os.SEEK_CUR) if out >= 0 else 0
     value = done = started = 0
-    use_kernel = out >= 0 and hasattr(os, "copy_file_range")
+    use_kernel = out >= 0 and inp >= 0 and hasattr(os, "copy_file_range")
     mapped = crc and use_kernel and length >= _MAPPED_FROM  # each step's mapping is checked against the file's end
     while done < length:
-        step = min(_CHECKED_STEP if crc else _CHUNK, length - done) if out >= 0 else min(_PYTHON_STEP, length - done)
+        step = (
+            min(_CHECKED_STEP if crc else _CHUNK, length - done)
+            if min(out, inp) >= 0
+            else min(_PYTHON_STEP, length - done)
+        )
         n = 0
         if use_kernel:
             try:
@@ -379,7 +451,11 @@ def crc_of_range(src: BinaryIO, offset: int, length: int, progress: Progress | N
         '0xcbf43926'
     """
     crc = 0
-    with _mapped(src.fileno(), offset, length, populate=True) as view:
+    try:
+        fd = src.fileno()
+    except io.UnsupportedOperation:  # an object in a store (io.ranged): read in chunks
+        fd = -1
+    with _mapped(fd, offset, length, populate=True) if fd >= 0 else contextlib.nullcontext(None) as view:
         if view is not None:
             whole, first = view
             for at in range(offset - first, offset - first + length, _CHECKED_STEP):

@@ -35,7 +35,7 @@ import weakref
 from pathlib import Path
 
 from ..errors import CheckpointWriteError, CkptkitError
-from . import remote
+from . import records
 from .atomic import atomic_write, describe_error, fsync_dir, host_tag, pid_alive, temp_path
 from .store import Location
 
@@ -95,7 +95,7 @@ def _me(token: str, since: str) -> Holder:
 def _read(at: Location) -> tuple[bytes, str] | None:
     """The record's bytes and version (the ETag of an object, the bytes themselves of a file)."""
     if at.remote:
-        return remote.read_record(at.spelled)
+        return records.read_record(at.spelled)
     try:
         data = Path(at.spelled).read_bytes()
     except FileNotFoundError:
@@ -106,7 +106,7 @@ def _read(at: Location) -> tuple[bytes, str] | None:
 def _create(at: Location, data: bytes) -> str | None:
     """Write the record where there is none: its version, or None where there is one."""
     if at.remote:
-        return remote.put_record(at.spelled, data, if_match=None)
+        return records.put_record(at.spelled, data, if_match=None)
     path = Path(at.spelled)
     tmp = _staged(path, data)
     try:
@@ -149,7 +149,7 @@ def _staged(path: Path, data: bytes) -> Path:
 def _renew(at: Location, data: bytes, version: str) -> str | None:
     """Replace the record that is still ``version`` (ours): the new version, or None where another replaced it."""
     if at.remote:
-        return remote.put_record(at.spelled, data, if_match=version)
+        return records.put_record(at.spelled, data, if_match=version)
     found = _read(at)
     if found is None:  # moved aside a moment by a process that misjudged it, or deleted by hand
         return _create(at, data)
@@ -166,7 +166,7 @@ def _renew(at: Location, data: bytes, version: str) -> str | None:
 def _take_over(at: Location, data: bytes, version: str) -> str | None:
     """Replace the record of a dead writer, still ``version``: the new version, or None where another changed it."""
     if at.remote:
-        return remote.put_record(at.spelled, data, if_match=version)
+        return records.put_record(at.spelled, data, if_match=version)
     path = Path(at.spelled)
     aside = temp_path(path)  # named as temp files are: removed as debris if this process dies here
     try:
@@ -184,7 +184,7 @@ def _take_over(at: Location, data: bytes, version: str) -> str | None:
 
 def _delete(at: Location, version: str) -> None:
     if at.remote:
-        remote.delete_record(at.spelled, version)
+        records.delete_record(at.spelled, version)
         return
     found = _read(at)
     if found is not None and found[1] == version:

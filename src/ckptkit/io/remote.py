@@ -1,13 +1,15 @@
 """Object storage: ``s3://`` (or any fsspec URL) wherever a path goes, through a local staging path.
 
-Object stores have no rename, so a URL is never written in place. A single file bound for S3
-streams there as it is written (:mod:`.streamed`); anything else (a folder's files, a file for
-another store) is written and checked in a staging folder (``$CKPTKIT_STAGING``, else the
-system's temp folder), then uploaded in parts (:mod:`.upload`). Either way the commit is what the
-store offers (one PUT, or the completion of a multipart upload; any failure aborts the upload
-instead, so the previous object stays), checked by the store's CRC-32 of the object or by reading
-it back before success is reported. Reading a URL streams it, in ranged GETs, into a staging
-file the local readers open. Memory stays bounded at any size: a few parts (or pieces of a GET's
+Object stores have no rename, so a URL is never written in place. A file bound for S3 (a
+Hugging Face shard too) streams there as it is written (:mod:`.streamed`); anything else (a DCP
+folder's files, a file for another store) is written and checked in a staging folder
+(``$CKPTKIT_STAGING``, else the system's temp folder), then uploaded in parts (:mod:`.upload`).
+Either way the commit is what the store offers (one PUT, or the completion of a multipart upload;
+any failure aborts the upload instead, so the previous object stays), checked by the store's
+CRC-32 of the object or by reading it back before success is reported. An object on S3 is read
+through ranged GETs as the torch-free readers ask for its bytes (:mod:`.ranged`); what torch
+reads, a prefix's objects and other stores are streamed, in ranged GETs, into a staging file
+(:func:`staged_read`). Memory stays bounded at any size: a few parts (or pieces of a GET's
 stream) in flight.
 
 fsspec (and s3fs for ``s3://``) is imported only when a URL is given: ``pip install 'ckptkit[s3]'``.
@@ -140,6 +142,12 @@ def exists(url: str) -> bool:
     return _info(fs, key, url) is not None
 
 
+def object_if_any(fs: Any, key: str, url: str) -> dict[str, Any] | None:
+    """The listing of the object at ``url``; None where none is there (a prefix, or nothing)."""
+    info = _info(fs, key, url)
+    return info if info is not None and info.get("type") == "file" else None
+
+
 def object_info(fs: Any, key: str, url: str) -> dict[str, Any]:
     info = _info(fs, key, url)
     if info is None:
@@ -258,39 +266,66 @@ def stream(fs: Any, key: str, url: str, size: int, sink: Any) -> int:
     def fetch(i: int) -> tuple[int, int]:
         at = i * span
         end = min(at + span, size)
-        value, pos = 0, at
-        for attempt in range(1, _READ_ATTEMPTS + 1):  # a dropped stream resumes where it stopped
-            try:
-                for piece in _ranged(fs, key, pos, end):
-                    if pos + len(piece) > end:
-                        break  # more than asked for: said below
-                    if sink is not None:
-                        view = memoryview(piece)
-                        while view:  # pwrite may write less than asked
-                            view = view[os.pwrite(sink.fileno(), view, pos + len(piece) - len(view)) :]
-                    value = crc32(piece, value)
-                    pos += len(piece)
-                break
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(
-                    f"{url}: the object went away while it was read; read it again", filename=url
-                ) from None
-            except Exception as e:  # noqa: BLE001 - the store's: OSError, botocore's or aiohttp's own
-                if attempt < _READ_ATTEMPTS and store_failure(e):
-                    continue
-                raise StorageError(
-                    f"{url}: reading bytes {at}-{end} failed at byte {pos} ({one_line(e)}); check the network "
-                    "and read it again"
-                ) from e
-        if pos != end:
-            raise StorageError(
-                f"{url}: asked for bytes {at}-{end}, got {pos - at}: the object changed while it was read; read it again"
-            )
-        return value, end - at
+
+        def write(pos: int, piece: bytes) -> None:
+            view = memoryview(piece)
+            while view:  # pwrite may write less than asked
+                view = view[os.pwrite(sink.fileno(), view, pos + len(piece) - len(view)) :]
+
+        return read_range(fs, key, url, at, end, write if sink is not None else None), end - at
 
     value = 0
     for crc, length in in_flight(fetch, -(-size // span)):
         value = crc32_combine(value, crc, length)
+    return value
+
+
+def read_range(
+    fs: Any,
+    key: str,
+    url: str,
+    at: int,
+    end: int,
+    sink: Callable[[int, bytes], object] | None,
+    *,
+    etag: str | None = None,
+) -> int:
+    """CRC-32 of bytes ``at``-``end`` of the object, read in one ranged GET, each piece handed to
+    ``sink(offset, piece)`` as it arrives; a dropped stream is asked for again from where it
+    stopped. ``etag``: only of that version of the object (S3).
+
+    Raises:
+        CheckpointNotFoundError: the object went away; StorageError: the store failed, or the object
+            changed (a version other than ``etag``, or fewer bytes than asked for).
+    """
+    value, pos = 0, at
+    for attempt in range(1, _READ_ATTEMPTS + 1):  # a dropped stream resumes where it stopped
+        try:
+            for piece in _ranged(fs, key, pos, end, etag=etag):
+                if pos + len(piece) > end:
+                    break  # more than asked for: said below
+                if sink is not None:
+                    sink(pos, piece)
+                value = crc32(piece, value)
+                pos += len(piece)
+            break
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{url}: the object went away while it was read; read it again", filename=url
+            ) from None
+        except Exception as e:  # noqa: BLE001 - the store's: OSError, botocore's or aiohttp's own
+            if etag is not None and isinstance(e, OSError) and lost_race(e):
+                raise StorageError(f"{url}: the object was replaced while it was read; read it again") from None
+            if attempt < _READ_ATTEMPTS and store_failure(e):
+                continue
+            raise StorageError(
+                f"{url}: reading bytes {at}-{end} failed at byte {pos} ({one_line(e)}); check the network "
+                "and read it again"
+            ) from e
+    if pos != end:
+        raise StorageError(
+            f"{url}: asked for bytes {at}-{end}, got {pos - at}: the object changed while it was read; read it again"
+        )
     return value
 
 
@@ -301,8 +336,8 @@ def _span(fs: Any, size: int) -> int:
     return min(max(PART_SIZE, -(-size // parts_in_flight())), RANGE_MAX)
 
 
-def _ranged(fs: Any, key: str, start: int, end: int) -> Iterator[bytes]:
-    """Bytes ``start``-``end`` of the object, in pieces as they arrive."""
+def _ranged(fs: Any, key: str, start: int, end: int, *, etag: str | None = None) -> Iterator[bytes]:
+    """Bytes ``start``-``end`` of the object (on S3: only of version ``etag``), in pieces as they arrive."""
     if "s3" not in protocols(fs):
         yield fs.cat_file(key, start=start, end=end)
         return
@@ -316,6 +351,7 @@ def _ranged(fs: Any, key: str, start: int, end: int) -> Iterator[bytes]:
         Key=path,
         Range=f"bytes={start}-{end - 1}",
         **({"VersionId": version} if version else {}),
+        **({"IfMatch": etag} if etag else {}),
     )
     body = got["Body"]
     try:
@@ -340,13 +376,23 @@ def download(url: str, local: Path) -> int:
     after = _info(fs, key, url) or {}
     if after.get("ETag", after.get("size")) != info.get("ETag", info.get("size")):
         raise StorageError(f"{url}: the object was replaced while it was read; read it again")
+    hold_to_recorded(fs, key, url, value)
+    return value
+
+
+def hold_to_recorded(fs: Any, key: str, url: str, value: int) -> None:
+    """Raise unless ``value``, the CRC-32 of every byte of the object as read, is the one recorded
+    for it (ckptkit's, or the store's own), where one is.
+
+    Raises:
+        CheckpointFormatError: they differ.
+    """
     recorded = _recorded_crc(fs, key)
     if recorded is not None and recorded != value:
         raise CheckpointFormatError(
             f"{url}: its bytes have CRC-32 {value:08x}, but ckptkit recorded {recorded:08x} when it "
             "wrote them: damaged in the store or on the way; read it again, or restore a copy"
         )
-    return value
 
 
 @contextlib.contextmanager
@@ -481,94 +527,9 @@ def store_failure(e: BaseException) -> bool:
     return isinstance(e, OSError) or type(e).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
 
 
-# -- small records written conditionally (a folder's writer lease) ---------------------------
-
-
-def _lost_race(e: OSError) -> bool:
+def lost_race(e: OSError) -> bool:
     """Whether the store refused a conditional request because its condition did not hold."""
     if isinstance(e, (FileExistsError, FileNotFoundError)):
         return True
     response = getattr(e.__cause__, "response", None) or {}
     return str(response.get("Error", {}).get("Code")) in _LOST_RACE
-
-
-async def _get(fs: Any, bucket: str, key: str) -> tuple[bytes, str]:
-    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-    async with response["Body"] as body:
-        return bytes(await body.read()), str(response["ETag"])
-
-
-def read_record(url: str) -> tuple[bytes, str] | None:
-    """The bytes of a small object and their version (its ETag), or None where there is none.
-
-    Raises:
-        StorageError: the store failed.
-    """
-    fs, key = filesystem(url)
-    try:
-        if "s3" in protocols(fs):
-            from fsspec.asyn import sync  # deferred with fsspec: the ETag and the bytes of one GET
-
-            bucket, path, _ = fs.split_path(key)
-            return sync(fs.loop, _get, fs, bucket, path)
-        fs.invalidate_cache(key)
-        data = bytes(fs.cat_file(key))
-        return data, data.decode(errors="replace")
-    except FileNotFoundError:
-        return None
-    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
-        raise StorageError(f"{url}: reading it failed ({one_line(e)}); check the network and try again") from e
-
-
-def put_record(url: str, data: bytes, *, if_match: str | None) -> str | None:
-    """Write a small object only if it is still version ``if_match`` (None: only if there is none).
-
-    Returns its new version, or None where the condition did not hold. On S3 the condition is the
-    store's (``If-Match``, ``If-None-Match: *``), so two writers never both succeed; other fsspec
-    stores are read and then written, which narrows a race but does not close it.
-
-    Raises:
-        StorageError: the store failed.
-    """
-    fs, key = filesystem(url)
-    try:
-        if "s3" in protocols(fs):
-            bucket, path, _ = fs.split_path(key)
-            condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
-            done = fs.call_s3("put_object", Bucket=bucket, Key=path, Body=data, **condition)
-            fs.invalidate_cache(key)
-            return str(done["ETag"])
-        found = read_record(url)
-        if (found[1] if found else None) != if_match:
-            return None
-        fs.pipe_file(key, data)
-        return data.decode(errors="replace")
-    except OSError as e:
-        if _lost_race(e):
-            return None
-        raise StorageError(f"{url}: writing it failed ({one_line(e)}); check the network and permissions") from e
-    except Exception as e:  # noqa: BLE001 - botocore's own (no credentials, endpoint gone)
-        raise StorageError(f"{url}: writing it failed ({one_line(e)}); check the network and credentials") from e
-
-
-def delete_record(url: str, version: str) -> None:
-    """Remove a small object if it is still ``version`` (another writer's is left alone).
-
-    Raises:
-        StorageError: the store failed.
-    """
-    fs, key = filesystem(url)
-    try:
-        if "s3" in protocols(fs):
-            bucket, path, _ = fs.split_path(key)
-            fs.call_s3("delete_object", Bucket=bucket, Key=path, IfMatch=version)
-            fs.invalidate_cache(key)
-            return
-        found = read_record(url)
-        if found is not None and found[1] == version:
-            fs.rm(key)
-    except OSError as e:
-        if not _lost_race(e):
-            raise StorageError(f"{url}: deleting it failed ({one_line(e)}); delete it by hand") from e
-    except Exception as e:  # noqa: BLE001 - botocore's own (no credentials, endpoint gone)
-        raise StorageError(f"{url}: deleting it failed ({one_line(e)}); delete it by hand") from e

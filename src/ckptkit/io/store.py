@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CheckpointNotFoundError, CkptkitError
-from . import remote, streamed, upload
+from . import ranged, remote, streamed, upload
 from .atomic import atomic_write, remove_stale_temps, temp_path
 from .fileio import open_regular
 
@@ -62,7 +62,7 @@ class Local:
         return self.path
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[str]:
+    def reading(self, *, whole: bool = False, checked: bool = False) -> Iterator[str]:
         """A local file to read: the path itself, as the caller spelled it."""
         yield self.spelled
 
@@ -183,10 +183,14 @@ class Remote:
         return self.spelled
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[str]:
-        """The object staged in a local file for the block's length (its CRC-32 held against the
-        one ckptkit recorded when it wrote it); errors inside name the URL."""
-        with remote.staged_read(self.spelled) as local:
+    def reading(self, *, whole: bool = False, checked: bool = False) -> Iterator[str]:
+        """A local path standing for the object, for the block's length: read through ranged GETs
+        by the torch-free readers (:func:`~.ranged.ranged_read`), copied whole into it for torch;
+        ``whole`` (torch reads it all): staged whole at once. Its CRC-32 is held against the one
+        ckptkit recorded when it wrote it once every byte is read (``checked``: as the block ends,
+        reading what the readers did not). A prefix (a folder's objects) is staged whole. Errors
+        inside name the URL."""
+        with remote.staged_read(self.spelled) if whole else ranged.ranged_read(self.spelled, complete=checked) as local:
             yield os.fspath(local)
 
     @contextlib.contextmanager
@@ -196,7 +200,7 @@ class Remote:
         Raises:
             CheckpointNotFoundError: no object there (any more).
         """
-        with self.reading() as local:
+        with self.reading(whole=True) as local:
             yield local
 
     @contextlib.contextmanager
@@ -209,12 +213,12 @@ class Remote:
 
     @contextlib.contextmanager
     def writing_folder(self, *, published_by: Callable[[str], bool]) -> Iterator[str]:
-        """A local staging folder to write a folder output into (its path ends with /); when the
-        block ends without error, its files are uploaded under this prefix, those ``published_by``
-        names (the index, ``.metadata``) last (:func:`~.upload.upload_folder`)."""
-        with remote.staging(self.spelled) as local, remote.naming(local, self.spelled):
+        """A local folder standing for this prefix, for a folder output (its path ends with /):
+        Hugging Face shards stream to an empty S3 prefix as they are written; the rest is uploaded
+        when the block ends without error, the files ``published_by`` names (the index,
+        ``.metadata``) last (:func:`~.streamed.streamed_folder`)."""
+        with streamed.streamed_folder(self.spelled, published_by=published_by, checked=self.checked) as local:
             yield f"{local}/"
-            self.checked += upload.upload_folder(local, self.spelled, published_by=published_by)
 
     def spell(self, text: str, local: str) -> str:
         return remote.unstaged(text, Path(local), self.spelled)

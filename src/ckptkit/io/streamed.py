@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointWriteError
 from . import remote, upload
-from .atomic import Kept, written_elsewhere
+from .atomic import Kept, Opener, folder_written_elsewhere, written_elsewhere
 from .crcmath import crc32_combine
 from .fileio import crc32
 from .remote import filesystem, naming, protocols, staging
@@ -263,3 +263,38 @@ def streamed_write(url: str, checked: list[str] | None = None) -> Iterator[Path]
             done.append(upload.upload_verified(local, url))
         if checked is not None:
             checked += done
+
+
+@contextlib.contextmanager
+def streamed_folder(
+    url: str, *, published_by: Callable[[str], bool], checked: list[str] | None = None
+) -> Iterator[Path]:
+    """A local folder path standing for the prefix ``url``, for a folder output's writer.
+
+    On S3, into a prefix holding no objects: each file the writer creates with
+    :func:`~.atomic.streamed_file` (a Hugging Face shard) streams to the store, and is checked and
+    committed as it ends; what else it writes (the index, ``config.json``, files another process
+    wrote) is uploaded when the block ends, the files ``published_by`` names last
+    (:func:`~.upload.upload_folder`). A prefix that holds objects already (``--force``), and other
+    stores, are staged whole and uploaded when the block ends: a write that fails there leaves the
+    earlier folder as it was, where streaming would have unpublished it first. Which check each
+    file passed is appended to ``checked``.
+    """
+    fs, _ = filesystem(url)  # a missing extra fails before anything is written
+    streams = "s3" in protocols(fs) and not remote.list_names(url)
+    done: dict[str, list[str]] = {}  # streamed name -> its check
+
+    def route(path: Path) -> Opener | None:  # the file as the writer made it, in its temp folder
+        if published_by(path.name):
+            return None  # after the folder's check, as the block ends
+        done[path.name] = []
+        return lambda **how: _opened(remote.join(url, path.name), path, done[path.name], **how)
+
+    with staging(url) as local, naming(local, url):
+        with folder_written_elsewhere(local, route) if streams else contextlib.nullcontext():
+            yield local
+        sent = {name for name, how in done.items() if how}
+        checks = [how for name in sorted(sent) for how in done[name]]
+        checks += upload.upload_folder(local, url, published_by=published_by, sent=sent)
+    if checked is not None:
+        checked += checks

@@ -20,7 +20,7 @@ import base64
 import contextlib
 import io
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -414,14 +414,16 @@ def staged_write(url: str, checked: list[str] | None = None) -> Iterator[Path]:
             checked.append(how)
 
 
-def upload_folder(local: Path, url: str, *, published_by: Callable[[str], bool]) -> list[str]:
+def upload_folder(
+    local: Path, url: str, *, published_by: Callable[[str], bool], sent: Collection[str] = ()
+) -> list[str]:
     """Upload each file of the folder ``local`` under the prefix ``url`` (:func:`upload_verified`),
     the files ``published_by`` names (an index, DCP's ``.metadata``) last, once every other file is
     committed and checked: a reader never finds one naming a file that is missing or partial. An
     earlier such file under ``url`` is removed first, so the files it named are never seen changing
     under it; once the new one is in place, the earlier files the new folder did not replace are
     removed too (those of the kinds it writes, by suffix; other objects stay). Returns the check
-    each upload passed.
+    each upload passed. ``sent``: files already committed under ``url`` (streamed), not uploaded.
 
     Raises:
         CheckpointWriteError: as :func:`upload_verified`; the folder is then left unpublished.
@@ -433,6 +435,8 @@ def upload_folder(local: Path, url: str, *, published_by: Callable[[str], bool])
             remote.delete(remote.join(url, old))
     checks = []
     for name in names:
+        if name in sent:
+            continue
         try:
             checks.append(upload_verified(local / name, remote.join(url, name)))
         except CheckpointWriteError as e:

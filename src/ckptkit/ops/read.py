@@ -58,7 +58,7 @@ def read_checkpoint(
         ['best_loss', 'epoch', 'model', 'optimizer', 'scheduler', 'step']
     """
     where = locate(path).pointed()  # a checkpoints folder or its latest: the checkpoint it names
-    with where.reading() as local:
+    with where.reading(whole=True) as local:  # torch reads every byte
         if note := shard_note(Path(local)):  # one shard alone loads as a partial model: say so
             warnings.warn(where.spell(note, local), stacklevel=2)
         return read_source(local, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)

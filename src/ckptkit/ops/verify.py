@@ -113,10 +113,15 @@ def verify_checkpoint(
     where = locate(path).pointed()  # a checkpoints folder or its latest: the checkpoint it names
     with contextlib.ExitStack() as stack:
         try:
-            local = stack.enter_context(where.reading())
+            local = stack.enter_context(where.reading(checked=full))
         except CkptkitError as e:  # no such object, or its bytes differ from what ckptkit uploaded
             return VerifyReport(where.spelled, checks=[Check("format", "integrity", False, str(e))], error=e)
         report = _verify(local, full=full, progress=progress)
+        try:
+            stack.close()  # an object's bytes, all read: held against the CRC-32 recorded at upload
+        except CkptkitError as e:
+            report.checks.append(Check("object checksum", "integrity", False, str(e)))
+            report.error = report.error or e
     report.path = where.spell(report.path, local)
     report.checks = [dataclasses.replace(c, detail=where.spell(c.detail, local)) for c in report.checks]
     report.notes = [where.spell(n, local) for n in report.notes]

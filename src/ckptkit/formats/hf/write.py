@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...errors import ArgumentError, CheckpointWriteError, summarize
+from ...io.atomic import streamed_file
 from ...io.atomicdir import atomic_folder, check_folder_destination
 from ...io.fileio import Progress
 from ..entry import Entry
-from ..integrity import check_written
+from ..integrity import check_written, kept_for_check
 from ..safetensors.codec import write_safetensors
+from ..safetensors.detect import SAFETENSORS
 from ..source import NeedsTorch
 from ..spec import WritePlan
 from .detect import HF, HF_INDEXES
@@ -123,15 +126,31 @@ def _write_files(
     waits for its file's last bytes to reach the disk, time the next shard's copy can use
     (BENCHMARKS.md). Each is fsynced through the descriptor that wrote it, which is sure to
     hear of a failed writeback (a reopened one may not, if the file left memory between); past
-    ``_OPEN_AT_MOST`` files the oldest is synced and closed early."""
+    ``_OPEN_AT_MOST`` files the oldest is synced and closed early. A folder standing for a store's
+    prefix streams each shard there instead, checked and committed as it ends (the index is
+    written here, and uploaded once the folder passes its check)."""
+
+    def fill(f: BinaryIO, file: str) -> None:
+        if file in written.files:
+            write_shard(f, written.files[file], meta)
+        else:
+            f.write(index_bytes(written.files, written.total_size, written.tied))
+
     with contextlib.ExitStack() as files:
         unsynced: list[BinaryIO] = []
         for file in names:
-            f = files.enter_context(open(folder / file, "xb"))
-            if file in written.files:
-                write_shard(f, written.files[file], meta)
-            else:
-                f.write(index_bytes(written.files, written.total_size, written.tied))
+            path = folder / file
+            stream = streamed_file(
+                path,
+                check=functools.partial(check_written, fmt=SAFETENSORS, dest=path),
+                kept=kept_for_check(SAFETENSORS),
+            )
+            if stream is not None:
+                with stream as f:
+                    fill(f, file)
+                continue
+            f = files.enter_context(open(path, "xb"))
+            fill(f, file)
             f.flush()
             unsynced.append(f)
             if len(unsynced) > _OPEN_AT_MOST:

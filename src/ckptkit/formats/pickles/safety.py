@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ArgumentError, UnsafeCheckpointError, cause, spell, summarize
+from ...io.fileio import local_file
 from ..detect import sniff
 from ..torchzip.bounds import check_storage_bounds
 from ..torchzip.detect import LEGACY, TORCH_FILES
@@ -269,6 +270,7 @@ def needed_globals(
     fmt = torch_file.name
     import torch
 
+    path = local_file(path)  # torch opens the path itself
     with open(path, "rb") as f:
         check_storage_bounds(path, fmt, file=f)
     user = resolve_globals(allow)

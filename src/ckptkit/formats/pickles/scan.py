@@ -26,7 +26,7 @@ import zipfile
 from typing import Any, BinaryIO, cast
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError, UnsupportedCheckpointError
-from ...io.fileio import ClampedReader
+from ...io.fileio import ClampedReader, open_regular
 from ..detect import sniff
 from ..dtypes import NUMPY_DTYPE_CLASSES
 from ..torchzip.detect import LEGACY, TORCH_FILES, ZIP
@@ -155,7 +155,7 @@ def checkpoint_globals(path: str | os.PathLike[str]) -> list[str]:
     names: list[str] = []
     if fmt == ZIP:
         try:
-            with zipfile.ZipFile(path) as zf:
+            with open_regular(path) as f, zipfile.ZipFile(f) as zf:
                 pkl = [n for n in zf.namelist() if n.endswith("data.pkl")]
                 if not pkl:
                     raise CheckpointFormatError(f"{path}: zip archive has no data.pkl, so it is not a torch checkpoint")
@@ -166,7 +166,7 @@ def checkpoint_globals(path: str | os.PathLike[str]) -> list[str]:
                 raise
             raise CheckpointFormatError(f"{path}: damaged zip archive ({type(e).__name__}: {e})") from e
     elif fmt == LEGACY:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             reader = ClampedReader(f)
             for _ in range(4):  # magic number, protocol version, sys info, the object itself
                 names += pickle_globals(reader)  # type: ignore[arg-type]

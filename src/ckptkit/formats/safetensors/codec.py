@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import zlib
 from collections import OrderedDict
@@ -22,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
 from ...errors import PARSE_ERRORS, ArgumentError, CheckpointFormatError, summarize
-from ...io.fileio import Progress
+from ...io.fileio import Progress, file_size
 from ..dtypes import BY_NAME, BY_SAFETENSORS
 from ..entry import Entry
 
@@ -153,7 +152,7 @@ def read_header(f: BinaryIO, *, size: int | None = None, source: str = "file") -
             offsets out of bounds or overlapping, size not matching the shape).
     """
     if size is None:
-        size = os.fstat(f.fileno()).st_size
+        size = file_size(f)
     prefix = f.read(8)
     if len(prefix) < 8:
         raise CheckpointFormatError(f"{source}: {size} bytes is too short for a safetensors file (needs 8+)")

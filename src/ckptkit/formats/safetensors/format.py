@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ...io.fileio import Progress
+from ...io.fileio import Progress, open_regular
 from ..integrity import Check, safetensors_checks
 from ..source import open_source
 from ..spec import CheckpointFormat, View, WritePlan, entries_of
@@ -14,7 +14,7 @@ from .detect import SAFETENSORS, SIGNATURE
 
 
 def check(p: Path, full: bool, progress: Progress | None) -> list[Check]:
-    with open(p, "rb") as f:
+    with open_regular(p) as f:
         return safetensors_checks(f, str(p), full=full, progress=progress)
 
 

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ...errors import ArgumentError, CheckpointFormatError, UnsupportedCheckpointError
-from ...io.fileio import Progress, write_checked
+from ...io.fileio import Progress, local_file, write_checked
 from ..entry import Bytes
 from ..spec import Placement, WritePlan
 from .codec import insert_aliases, parse_aliases, read_header, write_safetensors
@@ -94,7 +94,7 @@ def load_tensors(path: str | os.PathLike[str], *, device: str = "cpu") -> tuple[
     Returns:
         ``(tensors, metadata)``.
     """
-    source = os.fspath(path)
+    source = local_file(path)  # the safetensors package opens the path itself
     with open(source, "rb") as f:
         header, _ = read_header(f, source=source)
     meta: dict[str, str] = dict(header.pop("__metadata__", {}) or {})

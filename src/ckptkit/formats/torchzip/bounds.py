@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...errors import CheckpointFormatError, summarize
-from ...io.fileio import ClampedReader
+from ...io.fileio import ClampedReader, file_size
 from ..pickles import reader as lp
 from .container import TorchZip
 from .detect import LEGACY, ZIP
@@ -43,7 +43,7 @@ def check_storage_bounds(path: str | os.PathLike[str], fmt: str, *, file: Binary
         source: bytes | object = z.read(f"{z.prefix}data.pkl")
         _walk(source, check_zip)
     elif fmt == LEGACY:
-        size = os.fstat(file.fileno()).st_size
+        size = file_size(file)
         first: dict[str, lp.StorageRef] = {}
 
         def check_legacy(ref: lp.StorageRef) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError, summarize
-from ...io.fileio import crc32, open_regular
+from ...io.fileio import crc32, open_regular, pread
 from .directory import LOCAL as _LOCAL
 from .directory import read_directory
 
@@ -197,8 +197,8 @@ class SliceReader:
         self._head = self._tail = b""
         if window:
             whole = length <= 2 * window
-            self._head = os.pread(f.fileno(), length if whole else window, start)
-            self._tail = b"" if whole else os.pread(f.fileno(), window, start + length - window)
+            self._head = pread(f, length if whole else window, start)
+            self._tail = b"" if whole else pread(f, window, start + length - window)
             if len(self._head) + len(self._tail) != min(length, 2 * window):  # the file shrank: read as it is now
                 self._head = self._tail = b""
         self._tail_at = length - len(self._tail) if self._tail else length  # past the end, reads are empty anyway
@@ -218,7 +218,7 @@ class SliceReader:
         elif pos >= self._tail_at:
             data = self._tail[pos - self._tail_at : end - self._tail_at]
         else:
-            data = os.pread(self._f.fileno(), end - pos, self.start + pos)
+            data = pread(self._f, end - pos, self.start + pos)
         self._pos += len(data)
         return data
 

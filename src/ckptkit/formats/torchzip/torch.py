@@ -58,7 +58,7 @@ from ...errors import (
     spell,
     summarize,
 )
-from ...io.fileio import Progress
+from ...io.fileio import Progress, local_file
 from ..integrity import record_crc, zip_checks
 from ..pickles.safety import (
     MODULE_WALK,
@@ -251,6 +251,7 @@ def torch_load(
 
     allowed = [] if trust else resolve_globals(allow_globals)
     kwargs: dict[str, Any] = {"map_location": map_location, "weights_only": not trust}
+    source = local_file(source)  # torch opens the path itself
     with open(source, "rb") as f:
         check_storage_bounds(source, fmt, file=f)
         if fmt != LEGACY and mmap:

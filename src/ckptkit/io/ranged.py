@@ -1,0 +1,207 @@
+"""An object in a store read as a file: ranged GETs of the bytes a reader asks for, several at once
+ahead of a reader that goes forward, none of it on local disk.
+
+The torch-free readers (a safetensors header and its tensors, a torch zip's directory, pickle and
+records) open a URL's object through this (:func:`~.fileio.open_regular`, where
+:func:`ranged_read` says a path stands for it) instead of a local copy of it. The object is read
+in aligned runs of :data:`RUN` bytes, one GET each, kept for every reader of it in the block
+(detection, the parser and the check each open it): once a reader crosses into the next run, the
+:func:`~.remote.parts_in_flight` runs after it are fetched ahead. Memory holds those, and two
+more (a reader going back a little, to a header; the end of a zip).
+
+Every run's CRC-32 is kept: a run read twice with other bytes is an object that changed, and once
+every run has been read, the whole object's CRC-32 is held against the one ckptkit recorded when
+it wrote it (or the store's own), as a staged read does. Each GET asks for the version first
+seen (``If-Match`` its ETag), so an object replaced meanwhile is refused, not mixed.
+
+Example:
+    >>> with ranged_read("s3://bucket/model.safetensors") as local:  # doctest: +SKIP
+    ...     summary = inspect_checkpoint(local)  # reads the header's runs, not the object
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import io
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+from ..errors import StorageError
+from . import remote
+from .crcmath import crc32_combine
+from .fileio import read_elsewhere
+
+RUN = 16 << 20  # one GET: S3's own clients ask for 8-16 MiB a request
+
+
+class RangedObject:
+    """The runs of the object at ``url`` fetched so far, shared by its readers (see the module)."""
+
+    def __init__(self, url: str, fs: Any, key: str, info: dict[str, Any]) -> None:
+        self.url, self.fs, self.key = url, fs, key
+        self.size = int(info["size"])
+        self.etag = info.get("ETag")
+        self.run = RUN
+        self.ahead = remote.parts_in_flight()
+        self._runs: collections.OrderedDict[int, concurrent.futures.Future[bytearray]] = collections.OrderedDict()
+        self._crcs: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.ahead, thread_name_prefix="ckptkit-read")
+        self._whole_checked = False
+
+    def reader(self) -> RangedReader:
+        return RangedReader(self)
+
+    def get(self, run: int, *, ahead: int) -> bytearray:
+        """Run ``run``'s bytes, and the ``ahead`` runs after it asked for; the runs used least
+        recently beyond what memory holds are let go."""
+        last = -(-self.size // self.run) - 1
+        wanted = range(run, min(run + ahead, last) + 1)
+        for r in wanted:
+            if r not in self._runs:
+                self._runs[r] = self._pool.submit(self._fetch, r)
+        self._runs.move_to_end(run)
+        while len(self._runs) > self.ahead + 2:
+            oldest = next(r for r in self._runs if r not in wanted)
+            self._runs.pop(oldest).cancel()
+        data = self._runs[run].result()
+        if not self._whole_checked and len(self._crcs) == last + 1:
+            self._whole_checked = True
+            self._check_whole()
+        return data
+
+    def complete(self) -> None:
+        """Hold the whole object's CRC-32 against the recorded one, reading the runs no reader read
+        (for their CRC-32s only, none kept)."""
+        if self._whole_checked:
+            return
+        missing = [r for r in range(-(-self.size // self.run)) if r not in self._crcs]
+        remote.in_flight(lambda i: self._fetch(missing[i], keep=False), len(missing))
+        self._whole_checked = True
+        self._check_whole()
+
+    def _fetch(self, run: int, *, keep: bool = True) -> bytearray:
+        start, end = run * self.run, min((run + 1) * self.run, self.size)
+        data = bytearray()
+        sink = (lambda at, piece: data.extend(piece)) if keep else None
+        value = remote.read_range(self.fs, self.key, self.url, start, end, sink, etag=self.etag)
+        with self._lock:
+            seen = self._crcs.setdefault(run, value)
+        if seen != value:
+            raise StorageError(f"{self.url}: bytes {start}-{end} changed between two reads of them; read it again")
+        return data
+
+    def _check_whole(self) -> None:
+        """Every run read: the object's CRC-32 against the one recorded for it, where there is one."""
+        with self._lock:
+            crcs = dict(self._crcs)
+        value = 0
+        for run in range(len(crcs)):
+            value = crc32_combine(value, crcs[run], min(self.run, self.size - run * self.run))
+        remote.hold_to_recorded(self.fs, self.key, self.url, value)
+
+    def close(self) -> None:
+        for f in self._runs.values():
+            f.cancel()
+        self._pool.shutdown(wait=True)
+        self._runs.clear()
+
+
+class RangedReader(io.RawIOBase):
+    """A read-only, seekable file over a :class:`RangedObject`: a position, and the run it read last."""
+
+    def __init__(self, obj: RangedObject) -> None:
+        super().__init__()
+        self.obj = obj
+        self.name = obj.url  # as messages name the file
+        self.pos = 0
+        self._last = -2  # the run read last: crossing into the next one reads ahead
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation(f"{self.name}: an object in a store has no file descriptor")
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.obj.size}[whence] + offset
+        if pos < 0:
+            raise ValueError(f"{self.name}: seek to {pos}, before the object's start")
+        self.pos = pos
+        return pos
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as whole, whole.cast("B") as out:
+            data = self._pread(len(out), self.pos)
+            out[: len(data)] = data
+            self.pos += len(data)
+            return len(data)
+
+    def read(self, size: int | None = -1) -> bytes:
+        n = self.obj.size - self.pos if size is None or size < 0 else size
+        data = self._pread(n, self.pos)
+        self.pos += len(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read()
+
+    def _pread(self, length: int, offset: int) -> bytes:
+        end = min(offset + max(length, 0), self.obj.size)
+        pieces: list[bytearray] = []
+        at = offset
+        while at < end:
+            run = at // self.obj.run
+            data = self.obj.get(run, ahead=self.obj.ahead if run == self._last + 1 else 0)
+            self._last = run
+            start = at - run * self.obj.run
+            piece = data[start : start + end - at]
+            pieces.append(piece)
+            at += len(piece)
+        return b"".join(pieces)
+
+
+@contextlib.contextmanager
+def ranged_read(url: str, *, complete: bool = False) -> Iterator[Path]:
+    """A local path standing for the object at ``url`` for the block's length: the torch-free
+    readers open it (:func:`~.fileio.open_regular`) as a :class:`RangedReader`, nothing written
+    locally; a reader that opens paths itself (torch) gets it copied whole into it first
+    (:func:`~.fileio.local_file`). The path is a file of the object's size holding nothing (a
+    hole), so what reads it otherwise reads zeros and fails at its first header. A prefix (a
+    folder's objects) and stores other than S3 are staged whole (:func:`~.remote.staged_read`).
+    ``complete``: once the block has ended without error, the object's CRC-32 is held against the
+    recorded one, whatever the readers read (:meth:`RangedObject.complete`). Errors inside name the URL.
+    """
+    fs, key = remote.filesystem(url)
+    info = remote.object_if_any(fs, key, url) if "s3" in remote.protocols(fs) else None
+    if info is None:
+        with remote.staged_read(url) as local:
+            yield local
+        return
+    with remote.staging(url) as local, remote.naming(local, url):
+        with open(local, "xb") as f:
+            f.truncate(int(info["size"]))
+
+        def fill() -> None:
+            local.unlink()
+            remote.download(url, local)
+
+        obj = RangedObject(url, fs, key, info)
+        try:
+            with read_elsewhere(local, lambda: cast(BinaryIO, obj.reader()), fill):
+                yield local
+            if complete and local.stat().st_blocks == 0:  # else copied whole, and checked so
+                obj.complete()
+        finally:
+            obj.close()
