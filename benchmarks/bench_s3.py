@@ -3,12 +3,13 @@
     python benchmarks/bench_s3.py               # ~1 GiB checkpoint, 3 interleaved rounds
     python benchmarks/bench_s3.py --gib 0.25 --runs 5
 
-Against a local S3 server (moto, started here on 127.0.0.1), so the figures compare the
-client side (staging, CRC-32s, the commit check) with s3fs's plain transfer, not a network.
-ckptkit's convert does more than the transfer: s3 -> local downloads to a staging file, then
-converts it (every tensor byte CRC-checked, fsynced); local -> s3 converts into a staging file,
-uploads it in parts and checks the store's CRC-32 of the object. s3fs's ``get_file``/``put_file`` move the bytes
-with its defaults (50 MiB parts, up to 10 at once). Each command is a whole process; the
+Against a local S3 server (moto, started here on 127.0.0.1, answering a ranged GET by reading
+only its range, as S3 does), so the figures compare the client side (CRC-32s, the commit check)
+with s3fs's plain transfer, not a network. ckptkit's convert does more than the transfer:
+s3 -> local reads the object through ranged GETs as it converts it (every tensor byte
+CRC-checked, fsynced); local -> s3 converts into a streamed multipart upload and checks the
+store's CRC-32 of the object. s3fs's ``get_file``/``put_file`` move the bytes with its defaults
+(one GET; 50 MiB parts, up to 10 at once). Each command is a whole process; the
 commands are interleaved, min/median/max reported, with peak ``RssAnon`` (private memory).
 Needs ``pip install 'ckptkit[s3]' moto``.
 """
@@ -19,7 +20,6 @@ import argparse
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,15 +46,12 @@ def make_checkpoint(path: Path, gib: float) -> None:
 
 
 def start_server() -> tuple[object, str]:
-    from moto.server import ThreadedMotoServer
+    """moto, answering a ranged GET by reading its range as S3 does (tests/s3stores.WithS3Ranges):
+    moto itself reads the whole object for each ranged GET."""
+    from tests import s3stores
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's access log: one line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    return server, f"http://127.0.0.1:{port}"
+    return s3stores.start(ranges=True)
 
 
 def main() -> int:
@@ -68,16 +65,7 @@ def main() -> int:
         default="both",
         help="up or down: the uploads or the downloads only",
     )
-    ap.add_argument(
-        "--parts",
-        type=int,
-        default=None,
-        help="CKPTKIT_S3_PARTS for ckptkit's commands (default: ckptkit's own). moto reads the whole object "
-        "to answer each ranged GET, so N GETs at once of an S GiB object hold about N x S GiB in the server",
-    )
     args = ap.parse_args()
-    if args.parts is not None:
-        os.environ["CKPTKIT_S3_PARTS"] = str(args.parts)  # s3fs reads none of ckptkit's settings
     server, endpoint = start_server()
     os.environ.update(
         AWS_ACCESS_KEY_ID="testing",
@@ -141,7 +129,6 @@ def main() -> int:
         base = {"ckptkit convert s3:// -> local": "s3fs get_file", "ckptkit convert local -> s3://": "s3fs put_file"}
         print(
             f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes), local moto S3 server, {args.runs} interleaved run(s)"
-            + (f", CKPTKIT_S3_PARTS={args.parts}" if args.parts is not None else "")
         )
         print("| command | min / median / max s | x s3fs | peak RssAnon MiB |")
         print("|---|---|---:|---:|")

@@ -1185,3 +1185,52 @@ def test_what_torch_reads_of_a_url_is_copied_whole_first(
         ckptkit.read_checkpoint(tmp_path / "out.safetensors"), {k.removeprefix("module."): v for k, v in state.items()}
     )
     assert not list((tmp_path / "staging").iterdir())
+
+
+def test_the_benchmarks_server_answers_ranged_gets_as_moto_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranged: Any
+) -> None:
+    """The benchmarks' store reads only the range a GET asks for (tests/s3stores.WithS3Ranges);
+    what a client gets is moto's answer, byte for byte, refusals included."""
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    plain, plain_endpoint = s3stores.start()
+    server, endpoint = s3stores.start(ranges=True)
+    try:
+        data = bytes(range(256)) * 40_000
+        for at in (plain_endpoint, endpoint):
+            boto3.client("s3", endpoint_url=at).create_bucket(Bucket="ranges")
+            boto3.client("s3", endpoint_url=at).put_object(Bucket="ranges", Key="k", Body=data)
+        answers = []
+        for at in (plain_endpoint, endpoint):
+            client = boto3.client("s3", endpoint_url=at)
+            etag = client.head_object(Bucket="ranges", Key="k")["ETag"]
+            got = [
+                client.get_object(Bucket="ranges", Key="k", Range=r)["Body"].read()
+                for r in ("bytes=5-70000", "bytes=9000000-9999999")
+            ]
+            refused = []
+            for asked in ({"IfMatch": '"other"'}, {"Range": "bytes=99999999-"}, {"Key": "missing"}):
+                try:
+                    client.get_object(**{"Bucket": "ranges", "Key": "k", "Range": "bytes=0-9", **asked})
+                except client.exceptions.ClientError as e:
+                    refused.append(e.response["Error"]["Code"])
+            answers.append(
+                (
+                    got,
+                    refused,
+                    client.get_object(Bucket="ranges", Key="k", Range="bytes=1-2", IfMatch=etag)["Body"].read(),
+                )
+            )
+        assert answers[0] == answers[1] and answers[0][0][0] == data[5:70001] and len(answers[0][1]) == 3, answers[1][1]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        s3fs.S3FileSystem.clear_instance_cache()
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+        state = {"w": torch.randn(3 << 20), "b": torch.randn(7)}
+        ckptkit.save_on_master(state, f"s3://{BUCKET}/x.safetensors")
+        ckptkit.convert_checkpoint(f"s3://{BUCKET}/x.safetensors", tmp_path / "x.pt")
+        assert _equal(dict(sorted(ckptkit.read_checkpoint(tmp_path / "x.pt").items())), dict(sorted(state.items())))
+    finally:
+        server.stop()
+        plain.stop()
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -36,7 +36,7 @@ from . import remote
 from .crcmath import crc32_combine
 from .fileio import read_elsewhere
 
-RUN = 16 << 20  # one GET: S3's own clients ask for 8-16 MiB a request
+RUN = 8 << 20  # one GET: the part size of the AWS CRT client (memory holds a few runs per reader)
 
 
 class RangedObject:
