@@ -76,7 +76,7 @@ class WithS3Ranges:
         except Exception:  # noqa: BLE001 - no such bucket: moto's own answer
             key = None
         start, end = int(asked[1]), int(asked[2])
-        if key is None or start >= key.size or environ.get("HTTP_IF_MATCH", key.etag) != key.etag:
+        if key is None or start >= key.size or start > end or environ.get("HTTP_IF_MATCH", key.etag) != key.etag:
             return self.app(environ, start_response)  # moto's own answer: 404, 416, 412
         end = min(end, key.size - 1)
         with key.lock:

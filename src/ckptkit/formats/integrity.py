@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, summarize
+from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointWriteError, CkptkitError, summarize
 from ..io.atomic import Kept
 from ..io.fileio import Progress, crc32, crc_of_range, open_regular
 from .hf.detect import HF, shard_format
@@ -123,6 +123,8 @@ def record_crc(z: TorchZip, rec: Record, progress: Progress | None = None) -> in
         with zipfile.ZipFile(z.file).open(rec.name) as f:
             while chunk := f.read(8 << 20):
                 crc = crc32(chunk, crc)
+    except CkptkitError:
+        raise  # the store's failure while a URL's object was read: not the record's damage
     except PARSE_ERRORS:  # zipfile's own CRC check failed, or the stream does not inflate
         return None
     return crc

@@ -7,7 +7,9 @@ records) open a URL's object through this (:func:`~.fileio.open_regular`, where
 in aligned runs of :data:`RUN` bytes, one GET each, kept for every reader of it in the block
 (detection, the parser and the check each open it): once a reader crosses into the next run, the
 :func:`~.remote.parts_in_flight` runs after it are fetched ahead. Memory holds those, and two
-more (a reader going back a little, to a header; the end of a zip).
+more (a reader going back a little, to a header; the end of a zip). A short read that does not go
+forward (a header, a zip's directory entry) reads a block of :data:`SMALL` bytes around it
+instead, so that ``inspect`` reads headers, not weights.
 
 Every run's CRC-32 is kept: a run read twice with other bytes is an object that changed, and once
 every run has been read, the whole object's CRC-32 is held against the one ckptkit recorded when
@@ -37,6 +39,8 @@ from .crcmath import crc32_combine
 from .fileio import read_elsewhere
 
 RUN = 8 << 20  # one GET: the part size of the AWS CRT client (memory holds a few runs per reader)
+SMALL = 64 << 10  # a read this short, not continuing forward, reads a block this long: no run is fetched
+_BLOCKS_KEPT = 16
 
 
 class RangedObject:
@@ -49,6 +53,7 @@ class RangedObject:
         self.run = RUN
         self.ahead = remote.parts_in_flight()
         self._runs: collections.OrderedDict[int, concurrent.futures.Future[bytearray]] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # small reads' blocks
         self._crcs: dict[int, int] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(self.ahead, thread_name_prefix="ckptkit-read")
@@ -62,27 +67,61 @@ class RangedObject:
         recently beyond what memory holds are let go."""
         last = -(-self.size // self.run) - 1
         wanted = range(run, min(run + ahead, last) + 1)
-        for r in wanted:
-            if r not in self._runs:
-                self._runs[r] = self._pool.submit(self._fetch, r)
-        self._runs.move_to_end(run)
-        while len(self._runs) > self.ahead + 2:
-            oldest = next(r for r in self._runs if r not in wanted)
-            self._runs.pop(oldest).cancel()
-        data = self._runs[run].result()
+        with self._lock:  # the bookkeeping: readers may share the object across threads
+            for r in wanted:
+                if r not in self._runs:
+                    self._runs[r] = self._pool.submit(self._fetch, r)
+            self._runs.move_to_end(run)
+            future = self._runs[run]
+            while len(self._runs) > self.ahead + 2:
+                oldest = next(r for r in self._runs if r not in wanted)
+                self._runs.pop(oldest).cancel()
+        data = future.result()
         if not self._whole_checked and len(self._crcs) == last + 1:
-            self._whole_checked = True
             self._check_whole()
         return data
 
+    def cached(self, offset: int, length: int) -> bytes | None:
+        """Bytes ``offset``.. of a run fetched already (``length`` of them at most), without a GET; None where none is."""
+        run = offset // self.run
+        with self._lock:
+            future = self._runs.get(run)
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        start = offset - run * self.run
+        return bytes(future.result()[start : start + length])
+
+    def small(self, offset: int, length: int) -> bytes:
+        """``length`` (at most :data:`SMALL`) bytes from ``offset``, from the aligned blocks of
+        :data:`SMALL` bytes around them, each one GET, a few kept: a reader that looks at a header
+        here and there (a zip's local headers) reads no weights."""
+        end = min(offset + length, self.size)
+        first, last = offset // SMALL, (end - 1) // SMALL
+        with self._lock:
+            found = [self._blocks.get(b) for b in range(first, last + 1)]
+        held = [block for block in found if block is not None]
+        if len(held) < len(found):
+            data = bytearray()
+            start, stop = first * SMALL, min((last + 1) * SMALL, self.size)
+            sink = lambda at, piece: data.extend(piece)  # noqa: E731
+            remote.read_range(self.fs, self.key, self.url, start, stop, sink, etag=self.etag)
+            held = [bytes(data[i : i + SMALL]) for i in range(0, len(data), SMALL)]
+            with self._lock:
+                for b, block in zip(range(first, last + 1), held, strict=True):
+                    self._blocks[b] = block
+                    self._blocks.move_to_end(b)
+                while len(self._blocks) > _BLOCKS_KEPT:
+                    self._blocks.popitem(last=False)
+        joined = b"".join(held)
+        return joined[offset - first * SMALL : end - first * SMALL]
+
     def complete(self) -> None:
         """Hold the whole object's CRC-32 against the recorded one, reading the runs no reader read
-        (for their CRC-32s only, none kept)."""
-        if self._whole_checked:
+        (for their CRC-32s only, none kept); nothing is read where none was recorded."""
+        if self._whole_checked or remote.recorded_crc(self.fs, self.key) is None:
             return
         missing = [r for r in range(-(-self.size // self.run)) if r not in self._crcs]
         remote.in_flight(lambda i: self._fetch(missing[i], keep=False), len(missing))
-        self._whole_checked = True
         self._check_whole()
 
     def _fetch(self, run: int, *, keep: bool = True) -> bytearray:
@@ -103,7 +142,8 @@ class RangedObject:
         value = 0
         for run in range(len(crcs)):
             value = crc32_combine(value, crcs[run], min(self.run, self.size - run * self.run))
-        remote.hold_to_recorded(self.fs, self.key, self.url, value)
+        remote.hold_to_recorded(self.fs, self.key, self.url, value, etag=self.etag)
+        self._whole_checked = True  # only once it held: a failure is raised again by the next read
 
     def close(self) -> None:
         for f in self._runs.values():
@@ -135,6 +175,8 @@ class RangedReader(io.RawIOBase):
         return self.pos
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence not in (os.SEEK_SET, os.SEEK_CUR, os.SEEK_END):
+            raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
         pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.obj.size}[whence] + offset
         if pos < 0:
             raise ValueError(f"{self.name}: seek to {pos}, before the object's start")
@@ -159,6 +201,12 @@ class RangedReader(io.RawIOBase):
 
     def _pread(self, length: int, offset: int) -> bytes:
         end = min(offset + max(length, 0), self.obj.size)
+        run = offset // self.obj.run
+        if 0 < end - offset <= SMALL and run != self._last + 1 and run != (self.obj.size - 1) // self.obj.run:
+            # a look at a header, not a reader going forward (nor the last run: a zip's directory
+            # and small records, read whole, count towards the object's CRC-32): a block at most
+            held = self.obj.cached(offset, end - offset)
+            return held if held is not None and len(held) == end - offset else self.obj.small(offset, end - offset)
         pieces: list[bytearray] = []
         at = offset
         while at < end:
@@ -193,15 +241,18 @@ def ranged_read(url: str, *, complete: bool = False) -> Iterator[Path]:
         with open(local, "xb") as f:
             f.truncate(int(info["size"]))
 
+        filled: list[bool] = []
+
         def fill() -> None:
             local.unlink()
-            remote.download(url, local)
+            remote.download(url, local)  # checked against the recorded CRC-32 as it is
+            filled.append(True)
 
         obj = RangedObject(url, fs, key, info)
         try:
             with read_elsewhere(local, lambda: cast(BinaryIO, obj.reader()), fill):
                 yield local
-            if complete and local.stat().st_blocks == 0:  # else copied whole, and checked so
+            if complete and not filled:
                 obj.complete()
         finally:
             obj.close()

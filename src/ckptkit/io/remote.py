@@ -163,7 +163,7 @@ def object_info(fs: Any, key: str, url: str) -> dict[str, Any]:
     return info
 
 
-def _recorded_crc(fs: Any, key: str) -> int | None:
+def recorded_crc(fs: Any, key: str) -> int | None:
     """The CRC-32 ckptkit recorded when it wrote the object, if it did (s3fs only); for an object
     it streamed (its CRC-32 was not known when the upload began), the full-object CRC-32 the
     store computed, where it keeps one."""
@@ -380,14 +380,16 @@ def download(url: str, local: Path) -> int:
     return value
 
 
-def hold_to_recorded(fs: Any, key: str, url: str, value: int) -> None:
+def hold_to_recorded(fs: Any, key: str, url: str, value: int, *, etag: str | None = None) -> None:
     """Raise unless ``value``, the CRC-32 of every byte of the object as read, is the one recorded
-    for it (ckptkit's, or the store's own), where one is.
+    for it (ckptkit's, or the store's own), where one is. ``etag``: the version that was read.
 
     Raises:
-        CheckpointFormatError: they differ.
+        CheckpointFormatError: they differ; StorageError: the object is no longer version ``etag``.
     """
-    recorded = _recorded_crc(fs, key)
+    if etag is not None and (_info(fs, key, url) or {}).get("ETag") != etag:
+        raise StorageError(f"{url}: the object was replaced while it was read; read it again")
+    recorded = recorded_crc(fs, key)
     if recorded is not None and recorded != value:
         raise CheckpointFormatError(
             f"{url}: its bytes have CRC-32 {value:08x}, but ckptkit recorded {recorded:08x} when it "

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CheckpointWriteError
+from ..errors import CheckpointWriteError, CkptkitError
 from . import remote, upload
 from .atomic import Kept, Opener, folder_written_elsewhere, written_elsewhere
 from .crcmath import crc32_combine
@@ -277,8 +277,9 @@ def streamed_folder(
     wrote) is uploaded when the block ends, the files ``published_by`` names last
     (:func:`~.upload.upload_folder`). A prefix that holds objects already (``--force``), and other
     stores, are staged whole and uploaded when the block ends: a write that fails there leaves the
-    earlier folder as it was, where streaming would have unpublished it first. Which check each
-    file passed is appended to ``checked``.
+    earlier folder as it was, where streaming would have unpublished it first. A write that fails
+    removes the files it streamed (never published: the index comes last). Which check each file
+    passed is appended to ``checked``.
     """
     fs, _ = filesystem(url)  # a missing extra fails before anything is written
     streams = "s3" in protocols(fs) and not remote.list_names(url)
@@ -291,10 +292,16 @@ def streamed_folder(
         return lambda **how: _opened(remote.join(url, path.name), path, done[path.name], **how)
 
     with staging(url) as local, naming(local, url):
-        with folder_written_elsewhere(local, route) if streams else contextlib.nullcontext():
-            yield local
-        sent = {name for name, how in done.items() if how}
-        checks = [how for name in sorted(sent) for how in done[name]]
-        checks += upload.upload_folder(local, url, published_by=published_by, sent=sent)
+        try:
+            with folder_written_elsewhere(local, route) if streams else contextlib.nullcontext():
+                yield local
+            sent = {name for name, how in done.items() if how}
+            checks = [how for name in sorted(sent) for how in done[name]]
+            checks += upload.upload_folder(local, url, published_by=published_by, sent=sent)
+        except BaseException:
+            for name in [name for name, how in done.items() if how]:  # committed, never published: gone again
+                with contextlib.suppress(CkptkitError):
+                    remote.delete(remote.join(url, name))
+            raise
     if checked is not None:
         checked += checks

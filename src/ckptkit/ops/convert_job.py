@@ -316,7 +316,8 @@ def staged_convert(
             what = f"{url}/ holds objects" if folder else f"{url} exists"
             raise ArgumentError(f"{what}; pass {spell('force=True', '--force')} to replace it")
     with contextlib.ExitStack() as stack:
-        source = stack.enter_context(src.reading())
+        # --workers: spawned processes open the source themselves, so a URL's object is staged whole
+        source = stack.enter_context(src.reading(whole=(options.get("workers") or 1) > 1))
         if folder:  # any folder format's index (or .metadata): an earlier one goes first, the new one last
             published = lambda name: any(f.published_by(name) for f in registry.FORMATS.values())  # noqa: E731
             dest = stack.enter_context(dst.writing_folder(published_by=published))

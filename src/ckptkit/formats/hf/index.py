@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from ...errors import (
     spell,
     summarize,
 )
-from ...io.fileio import open_regular, require_regular, small_json
+from ...io.fileio import file_size, open_regular, require_regular, small_json
 from ..safetensors.codec import read_header
 from .detect import HF_INDEXES, HF_SINGLE
 
@@ -138,7 +137,7 @@ def read_index(path: str | Path) -> HfIndex:
     if p.name in HF_SINGLE:
         return _single(p)
     with open_regular(p, folder=p.parent) as f:
-        size = os.fstat(f.fileno()).st_size
+        size = file_size(f)
         if size > MAX_INDEX_BYTES:
             raise CheckpointFormatError(
                 f"{p}: {size} bytes is too big for a Hugging Face index (at most {MAX_INDEX_BYTES})"

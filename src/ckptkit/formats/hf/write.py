@@ -140,10 +140,15 @@ def _write_files(
         unsynced: list[BinaryIO] = []
         for file in names:
             path = folder / file
-            stream = streamed_file(
-                path,
-                check=functools.partial(check_written, fmt=SAFETENSORS, dest=path),
-                kept=kept_for_check(SAFETENSORS),
+            # One shard alone is the checkpoint (no index publishes it): it comes after the check
+            stream = (
+                streamed_file(
+                    path,
+                    check=functools.partial(check_written, fmt=SAFETENSORS, dest=path),
+                    kept=kept_for_check(SAFETENSORS),
+                )
+                if len(written.files) > 1
+                else None
             )
             if stream is not None:
                 with stream as f:

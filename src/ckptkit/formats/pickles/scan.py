@@ -25,7 +25,7 @@ import pickletools
 import zipfile
 from typing import Any, BinaryIO, cast
 
-from ...errors import PARSE_ERRORS, CheckpointFormatError, UnsupportedCheckpointError
+from ...errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, UnsupportedCheckpointError
 from ...io.fileio import ClampedReader, open_regular
 from ..detect import sniff
 from ..dtypes import NUMPY_DTYPE_CLASSES
@@ -127,6 +127,8 @@ def pickle_globals(stream: BinaryIO | bytes) -> list[str]:
                 value = _python3_name(module, qual, protocol) if ok else "<dynamic>"
                 found += [value, _BUILDS[value]] if value in _BUILDS else [value]
             stack.extend([value] * len(op.stack_after))
+    except CkptkitError:
+        raise  # the store's failure while a URL's object was read: not the pickle's damage
     except PARSE_ERRORS as e:
         raise CheckpointFormatError(f"malformed pickle: {type(e).__name__}: {e}") from e
     return found
@@ -162,7 +164,7 @@ def checkpoint_globals(path: str | os.PathLike[str]) -> list[str]:
                 for n in pkl:
                     names += pickle_globals(zf.read(n))
         except PARSE_ERRORS as e:
-            if isinstance(e, CheckpointFormatError):
+            if isinstance(e, CkptkitError):  # its own judgement, or the store's failure (a URL's object)
                 raise
             raise CheckpointFormatError(f"{path}: damaged zip archive ({type(e).__name__}: {e})") from e
     elif fmt == LEGACY:

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
-from ...errors import PARSE_ERRORS, CheckpointFormatError, summarize
+from ...errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, summarize
 from ...io.fileio import crc32, open_regular, pread
 from .directory import LOCAL as _LOCAL
 from .directory import read_directory
@@ -164,6 +164,8 @@ class TorchZip:
         if rec.method != zipfile.ZIP_STORED:
             try:
                 return zipfile.ZipFile(self.file).read(name)
+            except CkptkitError:
+                raise  # the store's failure (a URL's object): not the record's damage
             except PARSE_ERRORS as e:
                 raise CheckpointFormatError(f"{self.path}: cannot read record {name} ({type(e).__name__}: {e})") from e
         self.file.seek(rec.data_offset)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from ...errors import PARSE_ERRORS, UnsupportedCheckpointError
+from ...errors import PARSE_ERRORS, CkptkitError, UnsupportedCheckpointError
+from ...io.fileio import open_regular
 from ..detect import Signature
 
 ZIP = "torch-zip"
@@ -32,8 +33,10 @@ def _is_zip(p: Path, head: bytes) -> bool:
 def _refuse_programs(p: Path) -> None:
     """Raise for the zip archives torch writes for programs rather than checkpoints."""
     try:
-        with zipfile.ZipFile(p) as z:
+        with open_regular(p) as f, zipfile.ZipFile(f) as z:
             names = z.namelist()
+    except CkptkitError:
+        raise  # the store's failure (a URL's object), or what is at the path: not the zip's damage
     except PARSE_ERRORS:
         return  # damaged: the zip reader says how, with the details
     base = {n.split("/", 1)[1] if "/" in n else n for n in names}
