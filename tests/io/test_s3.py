@@ -779,18 +779,11 @@ def test_a_bad_parts_setting_is_one_line(prefix: str, tmp_path: Path, monkeypatc
 # -- a file streamed to the store as it is written: no local copy --------------------------------
 
 
-@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-@pytest.mark.parametrize("how", ["save_on_master", "convert"])
-def test_a_file_output_streams_to_the_store_keeping_only_its_headers_locally(
-    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, how: str, checked_by: str
-) -> None:
-    from ckptkit.io import streamed, upload
+def _images(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Each streamed file's local image, as its stream finishes: its size and the bytes it holds on disk."""
+    from ckptkit.io import streamed
 
-    def staged(local: Path, url: str) -> str:
-        raise AssertionError(f"{url} was staged whole in {local}, then uploaded")
-
-    monkeypatch.setattr(upload, "upload_verified", staged)
-    held: list[tuple[int, int]] = []  # the local image's size and the bytes it holds on disk
+    held: list[tuple[int, int]] = []
     finish = streamed.PartStream.finish
 
     def measured(self: Any) -> None:
@@ -799,6 +792,21 @@ def test_a_file_output_streams_to_the_store_keeping_only_its_headers_locally(
         held.append((st.st_size, st.st_blocks * 512))
 
     monkeypatch.setattr(streamed.PartStream, "finish", measured)
+    return held
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("how", ["save_on_master", "convert"])
+def test_a_file_output_streams_to_the_store_keeping_only_its_headers_locally(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, how: str, checked_by: str
+) -> None:
+    from ckptkit.io import upload
+
+    def staged(local: Path, url: str) -> str:
+        raise AssertionError(f"{url} was staged whole in {local}, then uploaded")
+
+    monkeypatch.setattr(upload, "upload_verified", staged)
+    held = _images(monkeypatch)
     state = _state(3)
     url = f"{prefix}/out{suffix}"
     if how == "save_on_master":
@@ -819,7 +827,7 @@ def test_a_file_output_streams_to_the_store_keeping_only_its_headers_locally(
 def test_hf_shards_stream_to_an_empty_prefix_keeping_only_their_headers_locally(
     prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, checked_by: str
 ) -> None:
-    from ckptkit.io import streamed, upload
+    from ckptkit.io import upload
 
     uploaded: list[str] = []
     upload_verified = upload.upload_verified
@@ -829,15 +837,7 @@ def test_hf_shards_stream_to_an_empty_prefix_keeping_only_their_headers_locally(
         return upload_verified(local, url)
 
     monkeypatch.setattr(upload, "upload_verified", staged)
-    held: list[tuple[int, int]] = []  # each shard's local image: its size and the bytes it holds on disk
-    finish = streamed.PartStream.finish
-
-    def measured(self: Any) -> None:
-        finish(self)
-        st = os.stat(self.image_path)
-        held.append((st.st_size, st.st_blocks * 512))
-
-    monkeypatch.setattr(streamed.PartStream, "finish", measured)
+    held = _images(monkeypatch)
     state = {"a.weight": torch.randn(3 << 20), "b.weight": torch.randn(3 << 20), "b.bias": torch.randn(7)}
     if source == "dcp":
         ckptkit.convert_checkpoint(_saved(tmp_path, state), tmp_path / "ckpt.dcp", format="dcp")

@@ -22,7 +22,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, TypeVar
 
 from ..errors import CheckpointWriteError, CkptkitError
 
@@ -153,6 +153,7 @@ class Kept(Protocol):
 
 
 Opener = Callable[..., contextlib.AbstractContextManager[BinaryIO]]
+T = TypeVar("T")
 
 # Paths whose writes go elsewhere (io.streamed: a staging path standing for a URL): the opener
 # gives the file to write, and publishes it (or nothing) when its block ends. Folders: each new
@@ -162,26 +163,26 @@ _FOLDERS: dict[str, Callable[[Path], Opener | None]] = {}
 
 
 @contextlib.contextmanager
-def written_elsewhere(path: Path, opener: Opener) -> Iterator[None]:
-    """Within the block, :func:`atomic_write` of ``path`` writes through ``opener(check=, kept=)``."""
+def _routed(table: dict[str, T], path: Path, value: T) -> Iterator[None]:
     key = os.path.abspath(path)
-    _ELSEWHERE[key] = opener
+    table[key] = value
     try:
         yield
     finally:
-        del _ELSEWHERE[key]
+        del table[key]
 
 
-@contextlib.contextmanager
-def folder_written_elsewhere(folder: Path, route: Callable[[Path], Opener | None]) -> Iterator[None]:
+def written_elsewhere(path: Path, opener: Opener) -> contextlib.AbstractContextManager[None]:
+    """Within the block, :func:`atomic_write` of ``path`` writes through ``opener(check=, kept=)``."""
+    return _routed(_ELSEWHERE, path, opener)
+
+
+def folder_written_elsewhere(
+    folder: Path, route: Callable[[Path], Opener | None]
+) -> contextlib.AbstractContextManager[None]:
     """Within the block, a new file of the folder output ``folder`` (:func:`streamed_file`, in the
     temp folder :mod:`.atomicdir` writes it in) writes through ``route(path)`` where that is not None."""
-    key = os.path.abspath(folder)
-    _FOLDERS[key] = route
-    try:
-        yield
-    finally:
-        del _FOLDERS[key]
+    return _routed(_FOLDERS, folder, route)
 
 
 def folder_route(folder: Path) -> Callable[[Path], Opener | None] | None:
