@@ -1318,3 +1318,23 @@ def test_inspect_of_a_zip_of_many_tensors_reads_its_headers_not_its_weights(
     asked = _fetched(monkeypatch, _key(url))
     assert len(ckptkit.inspect_checkpoint(url).tensors) == 30
     assert sum(end - start for start, end in asked) < (tmp_path / "m.pt").stat().st_size // 8, asked
+
+
+@pytest.mark.parametrize(("src", "dst"), [(".safetensors", ".pt"), (".pt", ".safetensors")])
+def test_convert_from_a_url_to_a_url_reads_ranges_and_streams_parts(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranged: Any, src: str, dst: str
+) -> None:
+    from ckptkit.io import upload
+
+    def staged(local: Path, url: str) -> str:
+        raise AssertionError(f"{url} was staged whole in {local}, then uploaded")
+
+    state = {"a": torch.randn(3 << 20), "b": torch.arange(7)}
+    ckptkit.save_on_master(state, f"{prefix}/in{src}")
+    monkeypatch.setattr(upload, "upload_verified", staged)
+    held = _images(monkeypatch)
+    ckptkit.convert_checkpoint(f"{prefix}/in{src}", f"{prefix}/out{dst}")
+    assert len(held) == 1 and held[0][1] < 256 << 10, held  # the output's headers only, locally
+    assert not list((tmp_path / "staging").iterdir())
+    _fs().get_file(f"{prefix}/out{dst}", str(tmp_path / f"back{dst}"))
+    assert _equal(dict(sorted(ckptkit.read_checkpoint(tmp_path / f"back{dst}").items())), state)
