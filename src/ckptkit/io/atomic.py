@@ -22,9 +22,10 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol, TypeVar
+from typing import BinaryIO, Protocol
 
 from ..errors import CheckpointWriteError, CkptkitError
+from .fileio import routed
 
 TMP_SUFFIX = ".ckptkit-tmp"
 # A host name kept as it is: RFC 1123's letters, digits and hyphens. No dot, so the last dot of a
@@ -153,7 +154,6 @@ class Kept(Protocol):
 
 
 Opener = Callable[..., contextlib.AbstractContextManager[BinaryIO]]
-T = TypeVar("T")
 
 # Paths whose writes go elsewhere (io.streamed: a staging path standing for a URL): the opener
 # gives the file to write, and publishes it (or nothing) when its block ends. Folders: each new
@@ -162,19 +162,9 @@ _ELSEWHERE: dict[str, Opener] = {}
 _FOLDERS: dict[str, Callable[[Path], Opener | None]] = {}
 
 
-@contextlib.contextmanager
-def _routed(table: dict[str, T], path: Path, value: T) -> Iterator[None]:
-    key = os.path.abspath(path)
-    table[key] = value
-    try:
-        yield
-    finally:
-        del table[key]
-
-
 def written_elsewhere(path: Path, opener: Opener) -> contextlib.AbstractContextManager[None]:
     """Within the block, :func:`atomic_write` of ``path`` writes through ``opener(check=, kept=)``."""
-    return _routed(_ELSEWHERE, path, opener)
+    return routed(_ELSEWHERE, path, opener)
 
 
 def folder_written_elsewhere(
@@ -182,7 +172,7 @@ def folder_written_elsewhere(
 ) -> contextlib.AbstractContextManager[None]:
     """Within the block, a new file of the folder output ``folder`` (:func:`streamed_file`, in the
     temp folder :mod:`.atomicdir` writes it in) writes through ``route(path)`` where that is not None."""
-    return _routed(_FOLDERS, folder, route)
+    return routed(_FOLDERS, folder, route)
 
 
 def folder_route(folder: Path) -> Callable[[Path], Opener | None] | None:

@@ -17,7 +17,7 @@ import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError
 from .helper import in_background
@@ -33,6 +33,7 @@ _CHECKED_STEP = 32 << 20  # a checked copy's step: the copy and its CRC read the
 _PYTHON_STEP = 8 << 20  # a copy to a sink without a descriptor (a cast, a stream to a store): held in memory
 _MAPPED_FROM = 2 << 20  # shorter ranges are CRC'd from a read: a mapping and a thread cost more than they save
 Progress = Callable[[int], None]
+T = TypeVar("T")
 
 
 def crc32(data: Any, value: int = 0) -> int:
@@ -61,17 +62,23 @@ _ELSEWHERE: dict[str, tuple[Callable[[], BinaryIO], Callable[[], None]]] = {}
 
 
 @contextlib.contextmanager
-def read_elsewhere(
-    path: str | os.PathLike[str], opener: Callable[[], BinaryIO], fill: Callable[[], None]
-) -> Iterator[None]:
-    """Within the block, :func:`open_regular` of ``path`` gives ``opener()``'s file, and
-    :func:`local_file` first runs ``fill()``, which makes ``path`` a local copy of it."""
+def routed(table: dict[str, T], path: str | os.PathLike[str], value: T) -> Iterator[None]:
+    """Within the block, ``table`` maps ``path`` (made absolute) to ``value``: where a path's reads
+    or writes go instead (:func:`read_elsewhere`, :func:`~.atomic.written_elsewhere`)."""
     key = os.path.abspath(path)
-    _ELSEWHERE[key] = (opener, fill)
+    table[key] = value
     try:
         yield
     finally:
-        _ELSEWHERE.pop(key, None)
+        table.pop(key, None)
+
+
+def read_elsewhere(
+    path: str | os.PathLike[str], opener: Callable[[], BinaryIO], fill: Callable[[], None]
+) -> contextlib.AbstractContextManager[None]:
+    """Within the block, :func:`open_regular` of ``path`` gives ``opener()``'s file, and
+    :func:`local_file` first runs ``fill()``, which makes ``path`` a local copy of it."""
+    return routed(_ELSEWHERE, path, (opener, fill))
 
 
 def local_file(path: str | os.PathLike[str]) -> str:
@@ -89,29 +96,36 @@ def local_file(path: str | os.PathLike[str]) -> str:
     return os.fspath(path)
 
 
+def _descriptor(f: BinaryIO) -> int:
+    """``f``'s file descriptor; -1 for an object in a store (:mod:`.ranged`), which has none."""
+    try:
+        return f.fileno()
+    except io.UnsupportedOperation:
+        return -1
+
+
 def file_size(f: BinaryIO) -> int:
     """The size of the open file ``f`` (a local file, or an object read elsewhere)."""
-    try:
-        return os.fstat(f.fileno()).st_size
-    except io.UnsupportedOperation:  # an object in a store: no descriptor
-        pos = f.tell()
-        end = f.seek(0, os.SEEK_END)
-        f.seek(pos)
-        return end
+    fd = _descriptor(f)
+    if fd >= 0:
+        return os.fstat(fd).st_size
+    pos = f.tell()
+    end = f.seek(0, os.SEEK_END)
+    f.seek(pos)
+    return end
 
 
 def pread(f: BinaryIO, length: int, offset: int) -> bytes:
     """``length`` bytes of the open file ``f`` from ``offset`` (fewer at its end); its position is
     unmoved where it has a descriptor (``os.pread``), restored where it has none."""
-    try:
-        fd = f.fileno()
-    except io.UnsupportedOperation:  # an object in a store
-        pos = f.tell()
-        f.seek(offset)
-        data = f.read(length)
-        f.seek(pos)
-        return data
-    return os.pread(fd, length, offset)
+    fd = _descriptor(f)
+    if fd >= 0:
+        return os.pread(fd, length, offset)
+    pos = f.tell()
+    f.seek(offset)
+    data = f.read(length)
+    f.seek(pos)
+    return data
 
 
 def open_regular(path: str | os.PathLike[str], *, folder: str | os.PathLike[str] | None = None) -> BinaryIO:
@@ -312,10 +326,7 @@ def copy_range(
         out = dst.fileno()
     except (AttributeError, OSError):  # a sink that is no file (a cast converts each piece): read and written in Python
         out = -1
-    try:
-        inp = src.fileno()
-    except io.UnsupportedOperation:  # an object in a store (io.ranged): read through Python
-        inp = -1
+    inp = _descriptor(src)  # none: an object in a store, read through Python
     written_at = os.lseek(out, 0, os.SEEK_CUR) if out >= 0 else 0
     value = done = started = 0
     use_kernel = out >= 0 and inp >= 0 and hasattr(os, "copy_file_range")
@@ -451,10 +462,7 @@ def crc_of_range(src: BinaryIO, offset: int, length: int, progress: Progress | N
         '0xcbf43926'
     """
     crc = 0
-    try:
-        fd = src.fileno()
-    except io.UnsupportedOperation:  # an object in a store (io.ranged): read in chunks
-        fd = -1
+    fd = _descriptor(src)  # none: an object in a store, read in chunks
     with _mapped(fd, offset, length, populate=True) if fd >= 0 else contextlib.nullcontext(None) as view:
         if view is not None:
             whole, first = view

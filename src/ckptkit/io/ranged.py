@@ -47,10 +47,11 @@ class RangedObject:
     """The runs of the object at ``url`` fetched so far, shared by its readers (see the module)."""
 
     def __init__(self, url: str, fs: Any, key: str, info: dict[str, Any]) -> None:
-        self.url, self.fs, self.key = url, fs, key
+        self.url, self.fs, self.key, self.info = url, fs, key, info
         self.size = int(info["size"])
         self.etag = info.get("ETag")
         self.run = RUN
+        self.runs = -(-self.size // self.run)
         self.ahead = remote.parts_in_flight()
         self._runs: collections.OrderedDict[int, concurrent.futures.Future[bytearray]] = collections.OrderedDict()
         self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # small reads' blocks
@@ -65,8 +66,7 @@ class RangedObject:
     def get(self, run: int, *, ahead: int) -> bytearray:
         """Run ``run``'s bytes, and the ``ahead`` runs after it asked for; the runs used least
         recently beyond what memory holds are let go."""
-        last = -(-self.size // self.run) - 1
-        wanted = range(run, min(run + ahead, last) + 1)
+        wanted = range(run, min(run + ahead, self.runs - 1) + 1)
         with self._lock:  # the bookkeeping: readers may share the object across threads
             for r in wanted:
                 if r not in self._runs:
@@ -77,7 +77,7 @@ class RangedObject:
                 oldest = next(r for r in self._runs if r not in wanted)
                 self._runs.pop(oldest).cancel()
         data = future.result()
-        if not self._whole_checked and len(self._crcs) == last + 1:
+        if not self._whole_checked and len(self._crcs) == self.runs:
             self._check_whole()
         return data
 
@@ -120,7 +120,7 @@ class RangedObject:
         (for their CRC-32s only, none kept); nothing is read where none was recorded."""
         if self._whole_checked or remote.recorded_crc(self.fs, self.key) is None:
             return
-        missing = [r for r in range(-(-self.size // self.run)) if r not in self._crcs]
+        missing = [r for r in range(self.runs) if r not in self._crcs]
         remote.in_flight(lambda i: self._fetch(missing[i], keep=False), len(missing))
         self._check_whole()
 
@@ -142,7 +142,7 @@ class RangedObject:
         value = 0
         for run in range(len(crcs)):
             value = crc32_combine(value, crcs[run], min(self.run, self.size - run * self.run))
-        remote.hold_to_recorded(self.fs, self.key, self.url, value, etag=self.etag)
+        remote.hold_to_recorded(self.fs, self.key, self.url, value, seen=self.info)
         self._whole_checked = True  # only once it held: a failure is raised again by the next read
 
     def close(self) -> None:
@@ -202,7 +202,7 @@ class RangedReader(io.RawIOBase):
     def _pread(self, length: int, offset: int) -> bytes:
         end = min(offset + max(length, 0), self.obj.size)
         run = offset // self.obj.run
-        if 0 < end - offset <= SMALL and run != self._last + 1 and run != (self.obj.size - 1) // self.obj.run:
+        if 0 < end - offset <= SMALL and run != self._last + 1 and run != self.obj.runs - 1:
             # a look at a header, not a reader going forward (nor the last run: a zip's directory
             # and small records, read whole, count towards the object's CRC-32): a block at most
             held = self.obj.cached(offset, end - offset)

@@ -373,21 +373,19 @@ def download(url: str, local: Path) -> int:
     info = object_info(fs, key, url)
     with open(local, "xb") as f:
         value = stream(fs, key, url, int(info["size"]), f)
-    after = _info(fs, key, url) or {}
-    if after.get("ETag", after.get("size")) != info.get("ETag", info.get("size")):
-        raise StorageError(f"{url}: the object was replaced while it was read; read it again")
-    hold_to_recorded(fs, key, url, value)
+    hold_to_recorded(fs, key, url, value, seen=info)
     return value
 
 
-def hold_to_recorded(fs: Any, key: str, url: str, value: int, *, etag: str | None = None) -> None:
+def hold_to_recorded(fs: Any, key: str, url: str, value: int, *, seen: Mapping[str, Any]) -> None:
     """Raise unless ``value``, the CRC-32 of every byte of the object as read, is the one recorded
-    for it (ckptkit's, or the store's own), where one is. ``etag``: the version that was read.
+    for it (ckptkit's, or the store's own), where one is. ``seen``: its listing when the read began.
 
     Raises:
-        CheckpointFormatError: they differ; StorageError: the object is no longer version ``etag``.
+        CheckpointFormatError: they differ; StorageError: the object is no longer the one ``seen``.
     """
-    if etag is not None and (_info(fs, key, url) or {}).get("ETag") != etag:
+    after = _info(fs, key, url) or {}
+    if after.get("ETag", after.get("size")) != seen.get("ETag", seen.get("size")):
         raise StorageError(f"{url}: the object was replaced while it was read; read it again")
     recorded = recorded_crc(fs, key)
     if recorded is not None and recorded != value:
