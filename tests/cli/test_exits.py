@@ -48,19 +48,40 @@ def lines(text: str) -> list[str]:
 # -- signals during convert leave nothing -------------------------------------------------
 
 
+# The command is held just before it would publish (``os.replace`` onto the output), so that the
+# signal always lands mid-convert: a fast machine finished a 256 MiB convert between the test
+# seeing the temp file and sending the signal.
+HELD = """
+import os, pathlib, runpy, sys, time
+real, held = os.replace, pathlib.Path(sys.argv.pop(1))
+def replace(src, dst, **kw):
+    if os.path.basename(dst) == "out.pt":
+        held.touch()
+        time.sleep(600)
+    return real(src, dst, **kw)
+os.replace = replace
+runpy.run_module("ckptkit.cli", run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_during_convert_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
-    torch.save({"w": torch.zeros(64 << 20, dtype=torch.float32)}, tmp_path / "big.pt")  # 256 MiB
-    proc = cli(tmp_path, "convert", "big.pt", "out.pt")
-    deadline = time.monotonic() + 60
-    while not [p for p in tmp_path.iterdir() if p.name.endswith(TMP_SUFFIX)]:  # the copy has begun
+    work, held = tmp_path / "work", tmp_path / "held"
+    work.mkdir()
+    torch.save({"w": torch.zeros(1 << 20, dtype=torch.float32)}, work / "big.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", HELD, str(held), "convert", "big.pt", "out.pt"]
+    proc = subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not held.exists():  # written, checked, about to be published
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.001)
+        time.sleep(0.01)
+    assert [p.name for p in work.iterdir() if p.name.endswith(TMP_SUFFIX)]  # the output's temp file is there
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     assert lines(err) == [f"ckptkit: error: stopped by {sig.name}; nothing was written"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
+    assert sorted(p.name for p in work.iterdir()) == ["big.pt"]
 
 
 # -- diff: 0 same, 1 different, 2 trouble --------------------------------------------------
