@@ -1338,3 +1338,83 @@ def test_convert_from_a_url_to_a_url_reads_ranges_and_streams_parts(
     assert not list((tmp_path / "staging").iterdir())
     _fs().get_file(f"{prefix}/out{dst}", str(tmp_path / f"back{dst}"))
     assert _equal(dict(sorted(ckptkit.read_checkpoint(tmp_path / f"back{dst}").items())), state)
+
+
+def _downloads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Each object copied whole into staging, as (name, size)."""
+    copied: list[tuple[str, int]] = []
+    download = remote.download
+
+    def recorded(url: str, local: Path) -> int:
+        copied.append((url.rsplit("/", 1)[-1], _fs().size(url)))
+        return download(url, local)
+
+    monkeypatch.setattr(remote, "download", recorded)
+    return copied
+
+
+@pytest.mark.parametrize("layout", ["hf_shards", "dcp"])
+def test_a_prefix_is_read_through_ranges_its_small_files_copied(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    state = {"a.weight": torch.randn(3 << 20), "b.weight": torch.randn(3 << 20), "b.bias": torch.randn(7)}
+    url = f"{prefix}/out"
+    options = {"format": "dcp"} if layout == "dcp" else {"max_shard_size": "13MB"}
+    ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{url}/", **options)
+    sizes = {n.rsplit("/", 1)[-1]: _fs().size(n) for n in _fs().ls(url)}
+    big = {n for n, size in sizes.items() if size > 1 << 20}
+    assert big and len(sizes) > len(big), sizes  # weights, and an index or .metadata beside them
+    copied = _downloads(monkeypatch)
+    asked: list[tuple[int, int]] = []
+    for name in big:
+        asked += _fetched(monkeypatch, _key(f"{url}/{name}"))
+    summary = ckptkit.inspect_checkpoint(url)
+    assert sorted(t.name for t in summary.tensors) == sorted(state)
+    assert sum(end - start for start, end in asked) <= sum(sizes[n] for n in big) // 3, asked  # headers, not weights
+    assert ckptkit.verify_checkpoint(url, full=False).ok
+    ckptkit.convert_checkpoint(url, tmp_path / "single.safetensors")
+    assert _equal(
+        dict(sorted(ckptkit.read_checkpoint(tmp_path / "single.safetensors").items())), dict(sorted(state.items()))
+    )
+    assert ckptkit.verify_checkpoint(url).ok  # every object against its recorded CRC-32
+    assert copied and all(size <= 1 << 20 for _, size in copied), copied  # only the small files copied whole
+    assert {n for n, _ in copied} == set(sizes) - big, copied
+    assert not list((tmp_path / "staging").iterdir())
+
+
+def test_a_damaged_object_of_a_prefix_read_through_ranges_fails_its_recorded_crc(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    url = f"{prefix}/out"
+    ckptkit.convert_checkpoint(_saved(tmp_path, {"w": torch.randn(3 << 20)}), f"{url}/", format="dcp")
+    (shard,) = [n for n in _fs().ls(url) if n.endswith(".distcp")]
+    good = _fs().cat_file(shard)
+    data = bytearray(good)
+    data[len(data) // 2] ^= 1  # inside w's bytes
+    meta = {remote.CRC_KEY: f"{zlib.crc32(good):08x}"}
+    _client(s3_endpoint).put_object(Bucket=BUCKET, Key=_key(f"s3://{shard}"), Body=bytes(data), Metadata=meta)
+    with pytest.raises(ckptkit.errors.CheckpointFormatError, match="its bytes have CRC-32 .* but ckptkit recorded"):
+        ckptkit.convert_checkpoint(url, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    assert not ckptkit.verify_checkpoint(url).ok
+
+
+def test_what_torch_reads_of_a_prefix_is_copied_whole_first(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    state = {"a.weight": torch.randn(3 << 20), "step": torch.tensor(3)}
+    url = f"{prefix}/out"
+    ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{url}/", format="dcp")
+    report = ckptkit.convert_checkpoint(url, tmp_path / "back.pt", trust=True)  # torch's DCP reader, by path
+    assert report.destination == str(tmp_path / "back.pt")
+    assert _equal(dict(sorted(ckptkit.read_checkpoint(tmp_path / "back.pt").items())), dict(sorted(state.items())))
+    assert not list((tmp_path / "staging").iterdir())

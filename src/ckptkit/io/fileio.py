@@ -84,15 +84,17 @@ def read_elsewhere(
 def local_file(path: str | os.PathLike[str]) -> str:
     """``path`` as a file a reader that opens paths itself (torch, the safetensors package) can open:
     where it stands for an object read elsewhere (:func:`read_elsewhere`), the object is copied
-    into it whole first (from then on it is read locally).
+    into it whole first (from then on it is read locally). A folder: every such file under it.
 
     Example:
         >>> local_file("model.safetensors")
         'model.safetensors'
     """
-    found = _ELSEWHERE.pop(os.path.abspath(path), None)
-    if found is not None:
-        found[1]()
+    where = os.path.abspath(path)
+    for key in [k for k in _ELSEWHERE if k == where or k.startswith(where + os.sep)]:
+        found = _ELSEWHERE.pop(key, None)
+        if found is not None:
+            found[1]()
     return os.fspath(path)
 
 
@@ -202,7 +204,7 @@ def small_json(path: str | os.PathLike[str], *, limit: int) -> Any:
     """
     try:
         with open_regular(path, folder=os.path.dirname(path) or ".") as f:
-            if os.fstat(f.fileno()).st_size > limit:
+            if file_size(f) > limit:
                 return None
             return json.loads(f.read().decode("utf-8"))
     except PARSE_ERRORS:  # ckptkit's refusals too: each is a ValueError or an OSError

@@ -226,33 +226,72 @@ def ranged_read(url: str, *, complete: bool = False) -> Iterator[Path]:
     readers open it (:func:`~.fileio.open_regular`) as a :class:`RangedReader`, nothing written
     locally; a reader that opens paths itself (torch) gets it copied whole into it first
     (:func:`~.fileio.local_file`). The path is a file of the object's size holding nothing (a
-    hole), so what reads it otherwise reads zeros and fails at its first header. A prefix (a
-    folder's objects) and stores other than S3 are staged whole (:func:`~.remote.staged_read`).
-    ``complete``: once the block has ended without error, the object's CRC-32 is held against the
-    recorded one, whatever the readers read (:meth:`RangedObject.complete`). Errors inside name the URL.
+    hole), so what reads it otherwise reads zeros and fails at its first header.
+
+    A prefix holding objects (a Hugging Face shard folder, DCP) is a local folder of such files,
+    one per object; an object of one run or less (an index, a config, DCP's ``.metadata``) is
+    copied into it whole, as one GET reads it either way, so that every reader of the small files
+    beside the weights reads them as it would locally. Stores other than S3 are staged whole
+    (:func:`~.remote.staged_read`).
+
+    Args:
+        url: the object, or the prefix.
+        complete: once the block has ended without error, each object's CRC-32 is held against the
+            recorded one, whatever the readers read (:meth:`RangedObject.complete`).
+
+    Raises:
+        StorageError: a prefix's objects changed while they were read (as :func:`~.remote.staged_read`).
+
+    Errors inside name the URL.
     """
     fs, key = remote.filesystem(url)
-    info = remote.object_if_any(fs, key, url) if "s3" in remote.protocols(fs) else None
-    if info is None:
+    if "s3" not in remote.protocols(fs):
         with remote.staged_read(url) as local:
             yield local
         return
-    with remote.staging(url) as local, remote.naming(local, url):
-        with open(local, "xb") as f:
-            f.truncate(int(info["size"]))
+    info = remote.object_if_any(fs, key, url)
+    listed = remote.listing(url) if info is None else {}
+    if info is None and not listed:
+        with remote.staged_read(url) as local:  # nothing there: its error, as a staged read says it
+            yield local
+        return
+    with remote.staging(url) as local, remote.naming(local, url), contextlib.ExitStack() as objects:
+        held: list[tuple[RangedObject, list[bool]]] = []
+        if info is not None:
+            held.append(_placeholder(objects, local, url, fs, key, info))
+        else:
+            local.mkdir()
+            for name, (size, etag) in listed.items():
+                child = remote.join(url, name)
+                if int(size) <= RUN:
+                    remote.download(child, local / name)
+                else:
+                    _, child_key = remote.filesystem(child)
+                    held.append(_placeholder(objects, local / name, child, fs, child_key, {"size": size, "ETag": etag}))
+        yield local
+        if listed:
+            remote.hold_listing(url, listed)
+        if complete:
+            for obj, filled in held:
+                if not filled:
+                    obj.complete()
 
-        filled: list[bool] = []
 
-        def fill() -> None:
-            local.unlink()
-            remote.download(url, local)  # checked against the recorded CRC-32 as it is
-            filled.append(True)
+def _placeholder(
+    objects: contextlib.ExitStack, local: Path, url: str, fs: Any, key: str, info: dict[str, Any]
+) -> tuple[RangedObject, list[bool]]:
+    """``local`` made a hole of the object's size that stands for it until ``objects`` closes;
+    the flag list gains an entry once it was copied whole (:func:`~.fileio.local_file`)."""
+    with open(local, "xb") as f:
+        f.truncate(int(info["size"]))
+    filled: list[bool] = []
 
-        obj = RangedObject(url, fs, key, info)
-        try:
-            with read_elsewhere(local, lambda: cast(BinaryIO, obj.reader()), fill):
-                yield local
-            if complete and not filled:
-                obj.complete()
-        finally:
-            obj.close()
+    def fill() -> None:
+        local.unlink()
+        remote.download(url, local)  # checked against the recorded CRC-32 as it is
+        filled.append(True)
+
+    obj = RangedObject(url, fs, key, info)
+    objects.callback(obj.close)
+    objects.enter_context(read_elsewhere(local, lambda: cast(BinaryIO, obj.reader()), fill))
+    return obj, filled

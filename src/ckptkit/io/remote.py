@@ -451,15 +451,12 @@ def staged_read(url: str) -> Iterator[Path]:
     with staging(url) as local, naming(local, url):
         fs, key = filesystem(url)
         info = _info(fs, key, url)
-        listed = _listing(url) if info is None or info.get("type") != "file" else {}
+        listed = listing(url) if info is None or info.get("type") != "file" else {}
         if listed:  # a prefix: a folder's files (Hugging Face shards, DCP), each copied and checked
             local.mkdir()
             for name in listed:
                 download(join(url, name), local / name)
-            if _listing(url) != listed:  # a writer replaced files meanwhile: the copy may mix two folders
-                raise StorageError(
-                    f"{url}/: its objects changed while they were read (a writer at work?); read it again"
-                )
+            hold_listing(url, listed)
         else:
             download(url, local)
         yield local
@@ -471,10 +468,10 @@ def join(url: str, name: str) -> str:
 
 def list_names(url: str) -> list[str]:
     """Names of the objects directly under the prefix ``url`` (uncompleted uploads are never listed)."""
-    return list(_listing(url))
+    return list(listing(url))
 
 
-def _listing(url: str) -> dict[str, tuple[Any, Any]]:
+def listing(url: str) -> dict[str, tuple[Any, Any]]:
     """The objects directly under the prefix ``url``: name -> (size, ETag)."""
     fs, key = filesystem(url)
     try:
@@ -489,6 +486,13 @@ def _listing(url: str) -> dict[str, tuple[Any, Any]]:
         for e in entries
         if e.get("type") == "file"
     }
+
+
+def hold_listing(url: str, listed: dict[str, tuple[Any, Any]]) -> None:
+    """Raise where the prefix's objects are no longer those ``listed`` before a read of them: a
+    writer replaced files meanwhile, so what was read may mix two folders."""
+    if listing(url) != listed:
+        raise StorageError(f"{url}/: its objects changed while they were read (a writer at work?); read it again")
 
 
 def delete(url: str) -> None:

@@ -11,6 +11,7 @@ from ..distributed.devices import MapLocation, Placement
 from ..formats import registry
 from ..formats.hf.index import shard_note
 from ..formats.pickles.safety import AllowGlobals
+from ..io.fileio import local_file
 from ..io.store import locate
 from .verify import refuse_failing
 
@@ -83,7 +84,7 @@ def read_source(
     if not checked:
         refuse_failing(Path(source), fmt)  # verify's judgement: what it fails, no reader reads
     return fmt.torch().read(
-        source,
+        local_file(source),  # torch opens the paths itself: an object read elsewhere is fetched first
         fmt=fmt.name,
         placement=Placement(map_location, source),
         trust=trust,

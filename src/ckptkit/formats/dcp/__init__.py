@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...io.fileio import ClampedReader
+from ...io.fileio import ClampedReader, open_regular
 from ..dtypes import BY_NAME
 from ..pickles.scan import pickle_globals
 from .detect import DCP_METADATA
@@ -76,5 +76,5 @@ def unsafe_metadata_globals(path: str | os.PathLike[str]) -> list[str]:
 def metadata_globals(path: str | os.PathLike[str]) -> list[str]:
     """The globals a DCP folder's ``.metadata`` pickle names, in first-use order."""
     meta = Path(path) / DCP_METADATA
-    with open(meta, "rb") as f:
+    with open_regular(meta, folder=path) as f:
         return list(dict.fromkeys(pickle_globals(ClampedReader(f))))  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, summarize
-from ...io.fileio import Progress
+from ...io.fileio import Progress, open_regular, pread
 from ..integrity import Check
 from ..pickles.reader import UnsupportedGlobal
 from ..pickles.safety import filter_unsafe, needs_text
@@ -102,7 +102,7 @@ def _shards(p: Path, stored: list[tuple[str, Stored]], *, transformed: set[Store
 def _not_a_zip(shard: Path, at: Stored) -> str | None:
     """Why torch.load cannot open ``at``'s bytes as the zip torch.save writes (its headers, end
     records and directory, read through windows as ckptkit's own reader reads them), or None."""
-    with open(shard, "rb") as f:
+    with open_regular(shard) as f:
         view = SliceReader(f, at.offset, at.length, window=4096)
         if view.read(4) != b"PK\x03\x04":
             return f"no torch.save zip at offset {at.offset} of {at.file}"
@@ -121,9 +121,8 @@ def _entries(p: Path, blobs: list[tuple[str, Stored]]) -> list[Check]:
         shard = p / at.file
         if not shard.is_file() or at.offset < 0 or at.length <= 0:
             continue  # reported by the shard check
-        with open(shard, "rb") as f:
-            f.seek(at.offset)
-            blob = f.read(min(at.length, max(0, shard.stat().st_size - at.offset)))
+        with open_regular(shard) as f:
+            blob = pread(f, min(at.length, max(0, shard.stat().st_size - at.offset)), at.offset)
         try:
             with zipfile.ZipFile(io.BytesIO(blob)) as zf:
                 names = [g for n in zf.namelist() if n.endswith("data.pkl") for g in pickle_globals(zf.read(n))]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError
+from ...io.fileio import open_regular
 from ..dtypes import BY_NAME
 from ..pickles import reader as lp
 from ..source import NeedsTorch
@@ -267,7 +268,7 @@ def read_metadata(folder: str | os.PathLike[str]) -> DcpMetadata:
             DCP's classes given what they refuse, keys that do not come back from their paths,
             a chunk without stored bytes, a negative size or offset.
     """
-    with open(Path(folder) / DCP_METADATA, "rb") as f:
+    with open_regular(Path(folder) / DCP_METADATA, folder=folder) as f:
         data = f.read()  # its size on disk: read whole, as torch's reader does
     try:
         return _interpret(lp.loads(data, unpickler=_Unpickler))

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, summarize
 from ...io.crcmath import crc32_combine
-from ...io.fileio import Progress, copy_range, crc32, crc_of_range, open_regular, write_checked
+from ...io.fileio import Progress, copy_range, crc32, crc_of_range, file_size, open_regular, pread, write_checked
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Check, Damage
@@ -244,9 +244,9 @@ def _assembled(reads: list[tuple[bytes, int]], rows: int, row_bytes: int) -> byt
 
 
 def _read_at(f: BinaryIO, offset: int, length: int, where: str) -> bytes:
-    data = os.pread(f.fileno(), length, offset)
+    data = pread(f, length, offset)
     while len(data) < length:  # a short read: the file shrank under us
-        more = os.pread(f.fileno(), length - len(data), offset + len(data))
+        more = pread(f, length - len(data), offset + len(data))
         if not more:
             raise CheckpointFormatError(f"{where}: the file ends before the chunk does (truncated while read?)")
         data += more
@@ -327,7 +327,7 @@ def _file(src: DcpSource, name: str) -> BinaryIO:
             src.files[name] = open_regular(path, folder=src.folder)  # owned by the source, closed by its user
         except CheckpointNotFoundError as e:
             raise CheckpointFormatError(f"{src.folder}: .metadata stores bytes in {name}, which is missing") from e
-        src.sizes[name] = os.fstat(src.files[name].fileno()).st_size
+        src.sizes[name] = file_size(src.files[name])
     return src.files[name]
 
 

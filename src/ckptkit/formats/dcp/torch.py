@@ -39,6 +39,7 @@ from ...errors import (
 from ...errors import cause as why
 from ...io.atomic import describe_error
 from ...io.atomicdir import atomic_folder
+from ...io.fileio import local_file
 from ..pickles.safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
 from ..pickles.scan import pickle_globals
 from ..source import NeedsTorch
@@ -46,7 +47,7 @@ from ..spec import Placement, WritePlan
 from . import DAMAGED, unsafe_metadata_globals
 from .keys import key_paths
 from .megatron import extra_state_key, layer_key, no_stacks, stacks
-from .meta import BytesEntry, Chunk, DcpMetadata, Stored, TensorEntry, dims, unstored
+from .meta import DCP_METADATA, BytesEntry, Chunk, DcpMetadata, Stored, TensorEntry, dims, unstored
 
 
 def read_dcp(
@@ -165,6 +166,7 @@ def planned(folder: Path) -> tuple[DcpMetadata, set[Stored]]:
             self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
 
     try:
+        local_file(folder / DCP_METADATA)  # torch's reader opens it itself: an object read elsewhere is fetched
         meta = FileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # .metadata passed the allowlist: whatever unpickling it raised is damage
         raise CheckpointFormatError(f".metadata: torch's reader cannot read it ({why(e)})") from e

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Literal
 
 from ...errors import ArgumentError, CheckpointFormatError, spell
 from ...io.crcmath import crc32_combine
-from ...io.fileio import Progress, copy_range, crc32, crc_of_range, open_regular, write_checked
+from ...io.fileio import Progress, copy_range, crc32, crc_of_range, open_regular, pread, write_checked
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Damage, tensors_named
@@ -208,7 +208,7 @@ class DsSource(EntryView):
         read, step = 0, _STEP - _STEP % BY_NAME[dtype].itemsize
         for at in range(0, p.length, step):
             n = min(step, p.length - at)
-            data = os.pread(self.files[p.file].fileno(), n, p.start + at)
+            data = pread(self.files[p.file], n, p.start + at)
             if len(data) != n:
                 raise CheckpointFormatError(f"{self.paths[p.file]}: ended early at byte {p.start + at + len(data)}")
             read = crc32(data, read)
