@@ -2,6 +2,7 @@
 
     python benchmarks/bench_s3.py               # ~1 GiB checkpoint, 3 interleaved rounds
     python benchmarks/bench_s3.py --gib 0.25 --runs 5
+    python benchmarks/bench_s3.py --direction folder   # a prefix of Hugging Face shards, read
 
 Against a local S3 server (moto, started here on 127.0.0.1, answering a ranged GET by reading
 only its range, as S3 does), so the figures compare the client side (CRC-32s, the commit check)
@@ -31,6 +32,7 @@ from benchmarks.bench_convert import compile_ckptkit, paired, rounds, run, sprea
 BUCKET = "ckptkit-bench"
 S3FS_GET = "import sys, s3fs; s3fs.S3FileSystem().get_file(sys.argv[1], sys.argv[2])"
 S3FS_PUT = "import sys, s3fs; s3fs.S3FileSystem().put_file(sys.argv[1], sys.argv[2])"
+S3FS_GET_FOLDER = "import sys, s3fs; s3fs.S3FileSystem().get(sys.argv[1] + '/', sys.argv[2] + '/', recursive=True)"
 
 
 def make_checkpoint(path: Path, gib: float) -> None:
@@ -61,9 +63,9 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
     ap.add_argument(
         "--direction",
-        choices=["both", "up", "down"],
+        choices=["both", "up", "down", "folder"],
         default="both",
-        help="up or down: the uploads or the downloads only",
+        help="up or down: the uploads or the downloads only; folder: a prefix of 4 shards, read",
     )
     args = ap.parse_args()
     server, endpoint = start_server()
@@ -87,7 +89,22 @@ def main() -> int:
         make_checkpoint(src, args.gib)
         size = src.stat().st_size
         url = f"s3://{BUCKET}/ddp.pt"
-        if args.direction != "up":
+        if args.direction == "folder":  # the same weights as a prefix of Hugging Face shards, untimed
+            shards = scratch / "hf"
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ckptkit.cli",
+                    "convert",
+                    str(src),
+                    str(shards),
+                    "--max-shard-size",
+                    str(size // 4 + 1),
+                ]
+            )
+            s3fs.S3FileSystem().put(f"{shards}/", f"s3://{BUCKET}/hf/", recursive=True)
+        elif args.direction != "up":
             s3fs.S3FileSystem().put_file(str(src), url)  # the s3 -> local source, untimed
         py = sys.executable
         cases = {
@@ -112,7 +129,17 @@ def main() -> int:
             ],
             "s3fs put_file": [py, "-c", S3FS_PUT, str(src), f"s3://{BUCKET}/put.pt"],
         }
-        if args.direction == "up":
+        if args.direction == "folder":
+            cases = {
+                "ckptkit convert s3://prefix -> local": [
+                    *cases["ckptkit convert s3:// -> local"][:4],
+                    f"s3://{BUCKET}/hf",
+                    str(scratch / "out.safetensors"),
+                    "--force",
+                ],
+                "s3fs get (recursive)": [py, "-c", S3FS_GET_FOLDER, f"s3://{BUCKET}/hf", str(scratch / "got")],
+            }
+        elif args.direction == "up":
             cases = {k: v for k, v in cases.items() if "-> s3://" in k or "put_file" in k}
         elif args.direction == "down":
             cases = {k: v for k, v in cases.items() if "s3:// ->" in k or "get_file" in k}
@@ -123,10 +150,15 @@ def main() -> int:
             t, mem = run(cases[name])
             times[name].append(t)
             mems[name] = max(mems[name], mem)
-            for leftover in ("out.pt", "got.pt"):
+            for leftover in ("out.pt", "got.pt", "out.safetensors"):
                 (scratch / leftover).unlink(missing_ok=True)
+            shutil.rmtree(scratch / "got", ignore_errors=True)
         med = {name: statistics.median(ts) for name, ts in times.items()}
-        base = {"ckptkit convert s3:// -> local": "s3fs get_file", "ckptkit convert local -> s3://": "s3fs put_file"}
+        base = {
+            "ckptkit convert s3:// -> local": "s3fs get_file",
+            "ckptkit convert local -> s3://": "s3fs put_file",
+            "ckptkit convert s3://prefix -> local": "s3fs get (recursive)",
+        }
         print(
             f"\ncheckpoint: {size / 2**30:.2f} GiB ({size:,} bytes), local moto S3 server, {args.runs} interleaved run(s)"
         )

@@ -47,3 +47,44 @@ def test_nothing_there_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no such file") as e:
         open_regular(tmp_path / "gone.pt", folder=tmp_path)
     assert isinstance(e.value, FileNotFoundError) and e.value.filename == str(tmp_path / "gone.pt")
+
+
+# Found in review: local_file of a folder walked the table of paths read elsewhere while another
+# thread's read added and removed its own ("dictionary changed size during iteration").
+def test_local_file_of_a_folder_is_safe_beside_another_threads_reads(tmp_path: Path) -> None:
+    import sys
+    import threading
+
+    from ckptkit.io import fileio
+
+    stop, errors = threading.Event(), []
+    opener, fill = (lambda: None), (lambda: None)
+
+    def registering() -> None:  # as ranged_read of a prefix does, object by object
+        i = 0
+        while not stop.is_set():
+            with fileio.read_elsewhere(tmp_path / "other" / f"o{i % 5000}", opener, fill):  # type: ignore[arg-type]
+                pass
+            i += 1
+
+    held = [fileio.read_elsewhere(tmp_path / "held" / f"h{i}", opener, fill) for i in range(2000)]  # type: ignore[arg-type]
+    for h in held:
+        h.__enter__()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=registering)
+    t.start()
+    try:
+        for _ in range(2000):
+            try:
+                fileio.local_file(tmp_path / "mine")
+            except RuntimeError as e:
+                errors.append(str(e))
+                break
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+        for h in held:
+            h.__exit__(None, None, None)
+    assert not errors, errors

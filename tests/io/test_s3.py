@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 import zlib
@@ -1075,7 +1076,7 @@ def ranged(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Runs of 1 MiB (a 12 MiB object takes twelve), and staging a URL's object forbidden."""
     from ckptkit.io import ranged
 
-    def staged(url: str, local: Path) -> int:
+    def staged(url: str, local: Path, **kw: Any) -> int:
         raise AssertionError(f"{url} was staged whole in {local}")
 
     monkeypatch.setattr(ranged, "RUN", 1 << 20)
@@ -1345,9 +1346,9 @@ def _downloads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     copied: list[tuple[str, int]] = []
     download = remote.download
 
-    def recorded(url: str, local: Path) -> int:
+    def recorded(url: str, local: Path, **kw: Any) -> int:
         copied.append((url.rsplit("/", 1)[-1], _fs().size(url)))
-        return download(url, local)
+        return download(url, local, **kw)
 
     monkeypatch.setattr(remote, "download", recorded)
     return copied
@@ -1418,3 +1419,114 @@ def test_what_torch_reads_of_a_prefix_is_copied_whole_first(
     assert report.destination == str(tmp_path / "back.pt")
     assert _equal(dict(sorted(ckptkit.read_checkpoint(tmp_path / "back.pt").items())), dict(sorted(state.items())))
     assert not list((tmp_path / "staging").iterdir())
+
+
+def test_a_prefixs_objects_share_one_memory_budget(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    monkeypatch.setenv("CKPTKIT_S3_PARTS", "2")  # a budget of 2 x (2 + 2) runs
+    state = {f"l{i}.weight": torch.randn(2 << 20) for i in range(5)}  # five shards of eight runs
+    url = f"{prefix}/out"
+    ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{url}/", max_shard_size="9MB")
+    seen: dict[int, Any] = {}
+    held: list[int] = []
+    threads: list[int] = []
+    get = ranged.RangedObject.get
+
+    def counted(self: Any, run: int, *, ahead: int) -> bytearray:
+        data = get(self, run, ahead=ahead)
+        seen[id(self)] = self
+        held.append(sum(len(o._runs) for o in seen.values()))
+        threads.append(sum(t.name.startswith("ckptkit-read") for t in threading.enumerate()))
+        return data
+
+    monkeypatch.setattr(ranged.RangedObject, "get", counted)
+    ckptkit.convert_checkpoint(url, tmp_path / "single.safetensors")
+    assert len(seen) == 5 and max(held) <= 8, (len(seen), max(held))  # not each shard's runs kept
+    assert max(threads) <= 2, max(threads)  # nor each one's fetching threads
+    got = ckptkit.read_checkpoint(tmp_path / "single.safetensors")
+    assert _equal(dict(sorted(got.items())), dict(sorted(state.items())))
+
+
+def test_a_dcp_tensor_split_across_objects_is_read_exactly_from_a_prefix(
+    prefix: str, fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 8192)  # the fixture's .distcp files are 27 kB: placeholders
+    monkeypatch.setattr(ranged, "SMALL", 1024)
+    copied = _downloads(monkeypatch)
+    _fs().put(f"{fixtures_dir / 'fsdp2_dcp_dim1'}/", f"{prefix}/dim1/", recursive=True)
+    ckptkit.convert_checkpoint(f"{prefix}/dim1", tmp_path / "out.safetensors")
+    got = ckptkit.read_checkpoint(tmp_path / "out.safetensors")
+    want = torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert {n for n, _ in copied} == {".metadata"}, copied  # the chunks' files read through ranges
+
+
+# Found in review of 08773dc: the listing was held again as the read ended, after the output had
+# been committed: an object added under the prefix failed a convert that had already published.
+@pytest.mark.parametrize("beside", [False, True], ids=["added_meanwhile", "output_under_the_prefix"])
+def test_objects_added_under_a_prefix_while_it_is_read_do_not_fail_the_read(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, beside: bool
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    url = f"{prefix}/src"
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(2)}
+    ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{url}/", max_shard_size="5MB")
+    out = f"{url}/consolidated.safetensors" if beside else str(tmp_path / "out.safetensors")
+    if not beside:
+        ckptkit.convert_checkpoint(_saved(tmp_path, {"previous": torch.zeros(3)}), out)
+        done: list[str] = []
+
+        def writer(method: str, kwargs: dict[str, Any]) -> None:
+            if method == "get_object" and not done:  # a file added while the reader reads
+                done.append(method)
+                _client(s3_endpoint).put_object(Bucket=BUCKET, Key=f"{_key(url)}/README.md", Body=b"notes")
+
+        _on_call(monkeypatch, writer)
+    ckptkit.convert_checkpoint(url, out, force=True)
+    assert _equal(dict(sorted(ckptkit.read_checkpoint(out).items())), state)
+
+
+# Found in review of 08773dc: an index replaced between the listing and its copy was read with the
+# earlier shards, and the mix reported as a damaged checkpoint ("save the model again").
+def test_an_index_replaced_before_it_is_copied_is_refused_as_replaced(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    url = f"{prefix}/src"
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(2)}
+    ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{url}/", max_shard_size="5MB")
+    index = f"{url}/model.safetensors.index.json"
+    new = _fs().cat_file(index).replace(b'"w1"', b'"renamed"')  # the next save renamed a tensor
+    done: list[str] = []
+
+    def writer(method: str, kwargs: dict[str, Any]) -> None:
+        if method == "head_object" and kwargs.get("Key") == _key(index) and not done:  # before its copy
+            done.append(method)
+            _client(s3_endpoint).put_object(Bucket=BUCKET, Key=_key(index), Body=new)
+
+    _on_call(monkeypatch, writer)
+    with pytest.raises(ckptkit.errors.StorageError, match=f"{index}: the object was replaced while it was read"):
+        ckptkit.convert_checkpoint(url, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+# Found in review: inspect spelled the summary's notes under the URL, not the producer's notes,
+# so megatron's note named common.pt in the staging folder.
+def test_inspect_of_a_megatron_prefix_names_the_url(prefix: str, fixtures_dir: Path) -> None:
+    url = f"{prefix}/torch_dist"
+    for f in (fixtures_dir / "frameworks" / "megatron" / "torch_dist").iterdir():
+        _fs().put_file(str(f), f"{url}/{f.name}")
+    summary = ckptkit.inspect_checkpoint(url)
+    assert summary.producer is not None and summary.producer["notes"], summary.producer
+    assert ".ckptkit-stage" not in json.dumps(summary.to_dict())
+    assert any(f"ckptkit inspect {url}/common.pt" in n for n in summary.producer["notes"]), summary.producer

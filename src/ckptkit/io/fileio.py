@@ -91,7 +91,9 @@ def local_file(path: str | os.PathLike[str]) -> str:
         'model.safetensors'
     """
     where = os.path.abspath(path)
-    for key in [k for k in _ELSEWHERE if k == where or k.startswith(where + os.sep)]:
+    for key in [
+        k for k in list(_ELSEWHERE) if k == where or k.startswith(where + os.sep)
+    ]:  # one atomic copy: other threads' reads register theirs
         found = _ELSEWHERE.pop(key, None)
         if found is not None:
             found[1]()

@@ -7,7 +7,8 @@ records) open a URL's object through this (:func:`~.fileio.open_regular`, where
 in aligned runs of :data:`RUN` bytes, one GET each, kept for every reader of it in the block
 (detection, the parser and the check each open it): once a reader crosses into the next run, the
 :func:`~.remote.parts_in_flight` runs after it are fetched ahead. Memory holds those, and two
-more (a reader going back a little, to a header; the end of a zip). A short read that does not go
+more (a reader going back a little, to a header; the end of a zip); the objects of a prefix
+share a :class:`Budget` of twice that, so memory does not grow with the shards. A short read that does not go
 forward (a header, a zip's directory entry) reads a block of :data:`SMALL` bytes around it
 instead, so that ``inspect`` reads headers, not weights.
 
@@ -43,21 +44,58 @@ SMALL = 64 << 10  # a read this short, not continuing forward, reads a block thi
 _BLOCKS_KEPT = 16
 
 
-class RangedObject:
-    """The runs of the object at ``url`` fetched so far, shared by its readers (see the module)."""
+class Budget:
+    """The runs held in memory by the objects of one read (an object, or a prefix's objects), at
+    most ``limit``: those used least recently, by any of them, are let go first; and the
+    :func:`~.remote.parts_in_flight` threads that fetch them. A prefix's objects share one, so
+    that neither the shards a reader has finished with nor their threads (each one's memory
+    arena) add up with the shards' number."""
 
-    def __init__(self, url: str, fs: Any, key: str, info: dict[str, Any]) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pool = concurrent.futures.ThreadPoolExecutor(remote.parts_in_flight(), thread_name_prefix="ckptkit-read")
+        self._held: collections.OrderedDict[tuple[RangedObject, int], None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def use(self, obj: RangedObject, wanted: range) -> None:
+        """``obj``'s runs ``wanted`` are held, its first used now; let the least recent others go."""
+        with self._lock:
+            for r in wanted:
+                self._held.setdefault((obj, r))
+            self._held.move_to_end((obj, wanted[0]))
+            over = len(self._held) - self.limit
+            gone = [k for k in self._held if k[0] is not obj or k[1] not in wanted][: max(over, 0)]
+            for k in gone:
+                del self._held[k]
+        for owner, r in gone:  # outside this lock: each object takes its own
+            owner.drop(r)
+
+    def forget(self, obj: RangedObject) -> None:
+        with self._lock:
+            for k in [k for k in self._held if k[0] is obj]:
+                del self._held[k]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RangedObject:
+    """The runs of the object at ``url`` fetched so far, shared by its readers (see the module);
+    ``budget``: shared with the other objects of the read (default: its own, of N + 2 runs)."""
+
+    def __init__(self, url: str, fs: Any, key: str, info: dict[str, Any], budget: Budget | None = None) -> None:
         self.url, self.fs, self.key, self.info = url, fs, key, info
         self.size = int(info["size"])
         self.etag = info.get("ETag")
         self.run = RUN
         self.runs = -(-self.size // self.run)
         self.ahead = remote.parts_in_flight()
+        self._own = budget is None  # closed with this object, else by the read that shares it
+        self.budget = budget or Budget(self.ahead + 2)
         self._runs: collections.OrderedDict[int, concurrent.futures.Future[bytearray]] = collections.OrderedDict()
         self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # small reads' blocks
         self._crcs: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.ahead, thread_name_prefix="ckptkit-read")
         self._whole_checked = False
 
     def reader(self) -> RangedReader:
@@ -70,12 +108,9 @@ class RangedObject:
         with self._lock:  # the bookkeeping: readers may share the object across threads
             for r in wanted:
                 if r not in self._runs:
-                    self._runs[r] = self._pool.submit(self._fetch, r)
-            self._runs.move_to_end(run)
+                    self._runs[r] = self.budget.pool.submit(self._fetch, r)
             future = self._runs[run]
-            while len(self._runs) > self.ahead + 2:
-                oldest = next(r for r in self._runs if r not in wanted)
-                self._runs.pop(oldest).cancel()
+        self.budget.use(self, wanted)
         data = future.result()
         if not self._whole_checked and len(self._crcs) == self.runs:
             self._check_whole()
@@ -115,6 +150,13 @@ class RangedObject:
         joined = b"".join(held)
         return joined[offset - first * SMALL : end - first * SMALL]
 
+    def drop(self, run: int) -> None:
+        """Let run ``run`` go (the budget's choice)."""
+        with self._lock:
+            future = self._runs.pop(run, None)
+        if future is not None:
+            future.cancel()
+
     def complete(self) -> None:
         """Hold the whole object's CRC-32 against the recorded one, reading the runs no reader read
         (for their CRC-32s only, none kept); nothing is read where none was recorded."""
@@ -148,8 +190,10 @@ class RangedObject:
     def close(self) -> None:
         for f in self._runs.values():
             f.cancel()
-        self._pool.shutdown(wait=True)
+        if self._own:
+            self.budget.close()
         self._runs.clear()
+        self.budget.forget(self)
 
 
 class RangedReader(io.RawIOBase):
@@ -240,7 +284,8 @@ def ranged_read(url: str, *, complete: bool = False) -> Iterator[Path]:
             recorded one, whatever the readers read (:meth:`RangedObject.complete`).
 
     Raises:
-        StorageError: a prefix's objects changed while they were read (as :func:`~.remote.staged_read`).
+        StorageError: an object was replaced while it was read: each is read as the version first
+            listed (``If-Match``; a copied one is held to that listing), so a folder is never mixed.
 
     Errors inside name the URL.
     """
@@ -258,19 +303,22 @@ def ranged_read(url: str, *, complete: bool = False) -> Iterator[Path]:
     with remote.staging(url) as local, remote.naming(local, url), contextlib.ExitStack() as objects:
         held: list[tuple[RangedObject, list[bool]]] = []
         if info is not None:
-            held.append(_placeholder(objects, local, url, fs, key, info))
+            held.append(_placeholder(objects, local, url, fs, key, info, None))
         else:
+            # one budget for every object: twice one object's, for a tensor split across files
+            # (DCP's ranks) read in turns, each file's current run and some read ahead held
+            budget = Budget(2 * (remote.parts_in_flight() + 2))
+            objects.callback(budget.close)  # after every object's own close: the stack runs backwards
             local.mkdir()
             for name, (size, etag) in listed.items():
                 child = remote.join(url, name)
-                if int(size) <= RUN:
-                    remote.download(child, local / name)
+                if int(size) <= RUN:  # pinned to the listing's version, as the placeholders' GETs are
+                    remote.download(child, local / name, seen={"size": size, "ETag": etag})
                 else:
                     _, child_key = remote.filesystem(child)
-                    held.append(_placeholder(objects, local / name, child, fs, child_key, {"size": size, "ETag": etag}))
+                    listing = {"size": size, "ETag": etag}
+                    held.append(_placeholder(objects, local / name, child, fs, child_key, listing, budget))
         yield local
-        if listed:
-            remote.hold_listing(url, listed)
         if complete:
             for obj, filled in held:
                 if not filled:
@@ -278,7 +326,13 @@ def ranged_read(url: str, *, complete: bool = False) -> Iterator[Path]:
 
 
 def _placeholder(
-    objects: contextlib.ExitStack, local: Path, url: str, fs: Any, key: str, info: dict[str, Any]
+    objects: contextlib.ExitStack,
+    local: Path,
+    url: str,
+    fs: Any,
+    key: str,
+    info: dict[str, Any],
+    budget: Budget | None,
 ) -> tuple[RangedObject, list[bool]]:
     """``local`` made a hole of the object's size that stands for it until ``objects`` closes;
     the flag list gains an entry once it was copied whole (:func:`~.fileio.local_file`)."""
@@ -288,10 +342,10 @@ def _placeholder(
 
     def fill() -> None:
         local.unlink()
-        remote.download(url, local)  # checked against the recorded CRC-32 as it is
+        remote.download(url, local, seen=info)  # the version read so far, checked against its CRC-32
         filled.append(True)
 
-    obj = RangedObject(url, fs, key, info)
+    obj = RangedObject(url, fs, key, info, budget)
     objects.callback(obj.close)
     objects.enter_context(read_elsewhere(local, lambda: cast(BinaryIO, obj.reader()), fill))
     return obj, filled

@@ -361,8 +361,9 @@ def _ranged(fs: Any, key: str, start: int, end: int, *, etag: str | None = None)
         body.close()
 
 
-def download(url: str, local: Path) -> int:
-    """Copy the object at ``url`` to the new file ``local``; returns its CRC-32.
+def download(url: str, local: Path, *, seen: Mapping[str, Any] | None = None) -> int:
+    """Copy the object at ``url`` to the new file ``local``; returns its CRC-32. ``seen``: its
+    listing when a read of it began (a prefix's listing): the object must still be that one.
 
     Raises:
         CheckpointNotFoundError: no object at ``url``.
@@ -373,7 +374,7 @@ def download(url: str, local: Path) -> int:
     info = object_info(fs, key, url)
     with open(local, "xb") as f:
         value = stream(fs, key, url, int(info["size"]), f)
-    hold_to_recorded(fs, key, url, value, seen=info)
+    hold_to_recorded(fs, key, url, value, seen=seen or info)
     return value
 
 

@@ -159,6 +159,8 @@ def inspect_checkpoint(
         summary = _inspect(local, key=key, trust=trust, allow_globals=allow_globals)
     summary.path = where.spell(summary.path, local)
     summary.notes = [where.spell(n, local) for n in summary.notes]
+    if summary.producer is not None:  # its notes may name a file of the folder (megatron's common.pt)
+        summary.producer["notes"] = [where.spell(n, local) for n in summary.producer["notes"]]
     return summary
 
 
