@@ -1530,3 +1530,15 @@ def test_inspect_of_a_megatron_prefix_names_the_url(prefix: str, fixtures_dir: P
     assert summary.producer is not None and summary.producer["notes"], summary.producer
     assert ".ckptkit-stage" not in json.dumps(summary.to_dict())
     assert any(f"ckptkit inspect {url}/common.pt" in n for n in summary.producer["notes"]), summary.producer
+
+
+# Found in review: a listing without ETags (some S3-compatible stores) held against the object's
+# ETag called every object replaced.
+def test_a_listing_without_etags_is_held_by_size(prefix: str) -> None:
+    url = f"{prefix}/ckpt.pt"
+    ckptkit.save_on_master(_state(), url)
+    fs, key = remote.filesystem(url)
+    data = _fs().cat_file(url)
+    remote.hold_to_recorded(fs, key, url, zlib.crc32(data), seen={"size": len(data), "ETag": None})
+    with pytest.raises(ckptkit.errors.StorageError, match="replaced while it was read"):
+        remote.hold_to_recorded(fs, key, url, zlib.crc32(data), seen={"size": len(data) + 1, "ETag": None})
