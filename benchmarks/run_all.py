@@ -140,10 +140,14 @@ SECTIONS = [
         "To S3 it converts straight into the upload (no staging file): 16 MiB parts, 4 at a time, each with its "
         "CRC-32, the zip's own check run on a sparse local image of its headers before the upload is completed "
         "with the whole object's CRC-32, which the store checks (moto keeps it; ckptkit reads it with one "
-        "HeadObject instead of reading the object back). s3fs reads with one GET and sends ten 50 MiB parts at once.",
+        "HeadObject instead of reading the object back). s3fs reads with one GET and sends ten 50 MiB parts at once. "
+        "The last table reads a prefix: the same weights as four Hugging Face shards under it, converted to one "
+        "file (the shards read through ranges as above, sharing one budget of runs and threads; the index copied "
+        "whole), against s3fs's recursive `get` of the prefix.",
         (
             ("bench_s3.py", "--gib", "1", "--runs", "3"),
             ("bench_s3.py", "--gib", "4", "--runs", "1"),
+            ("bench_s3.py", "--gib", "1", "--runs", "3", "--direction", "folder"),
         ),
     ),
     Section(
