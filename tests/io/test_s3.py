@@ -1542,3 +1542,61 @@ def test_a_listing_without_etags_is_held_by_size(prefix: str) -> None:
     remote.hold_to_recorded(fs, key, url, zlib.crc32(data), seen={"size": len(data), "ETag": None})
     with pytest.raises(ckptkit.errors.StorageError, match="replaced while it was read"):
         remote.hold_to_recorded(fs, key, url, zlib.crc32(data), seen={"size": len(data) + 1, "ETag": None})
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
+def test_convert_workers_read_a_prefix_through_ranges_and_hold_every_object(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: bool
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)  # the workers read in the parent's runs
+    from safetensors.torch import save_file
+
+    from ckptkit.io import upload
+
+    state = {f"l{i}.weight": torch.randn(1 << 20) for i in range(4)}
+    url = f"{prefix}/src"
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {k: names[i // 2] for i, k in enumerate(state)}
+    for name in names:  # by the safetensors package: no CRC-32s inside, only the upload's of each object
+        save_file({k: v for k, v in state.items() if weight_map[k] == name}, tmp_path / name)
+        upload.upload_verified(tmp_path / name, f"{url}/{name}")
+    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    _fs().pipe_file(f"{url}/model.safetensors.index.json", index)
+    shards = [f"{url}/{name}" for name in names]
+    if damaged:  # the shard the worker reads (the parent writes the first share): its runs come back
+        for shard in shards[1:]:
+            good = _fs().cat_file(shard)
+            data = bytearray(good)
+            data[len(data) // 2] ^= 1
+            meta = {remote.CRC_KEY: f"{zlib.crc32(good):08x}"}
+            _client(s3_endpoint).put_object(Bucket=BUCKET, Key=_key(shard), Body=bytes(data), Metadata=meta)
+    copied = _downloads(monkeypatch)
+    received: list[dict[str, dict[int, int]]] = []
+    held: list[str] = []
+    add_runs, hold = ranged.add_runs, remote.hold_to_recorded
+
+    def merged(runs: dict[str, dict[int, int]]) -> None:
+        received.append(runs)
+        add_runs(runs)
+
+    def holding(fs: Any, key: str, url: str, *args: Any, **kw: Any) -> None:
+        held.append(url)
+        hold(fs, key, url, *args, **kw)
+
+    monkeypatch.setattr(ranged, "add_runs", merged)
+    monkeypatch.setattr(remote, "hold_to_recorded", holding)
+    out = tmp_path / "hf"
+    if damaged:
+        with pytest.raises(ckptkit.errors.CheckpointFormatError, match="its bytes have CRC-32 .* but ckptkit recorded"):
+            ckptkit.convert_checkpoint(url, f"{out}/", max_shard_size="5MB", workers=2)
+        assert not out.exists()
+        return
+    ckptkit.convert_checkpoint(url, f"{out}/", max_shard_size="5MB", workers=2)
+    assert _equal(dict(sorted(ckptkit.read_checkpoint(out).items())), dict(sorted(state.items())))
+    assert all(size <= 1 << 20 for _, size in copied), copied  # the shards read through ranges, in both processes
+    assert any(runs for share in received for runs in share.values()), received  # the worker's runs came back
+    assert sorted(u for u in held if u in shards) == shards, held  # each shard held whole once, its runs joined
+    assert not list((tmp_path / "staging").iterdir())

@@ -30,14 +30,14 @@ import contextlib
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from ..errors import StorageError
 from . import remote
 from .crcmath import crc32_combine
-from .fileio import read_elsewhere
+from .fileio import read_elsewhere, routed
 
 RUN = 8 << 20  # one GET: the part size of the AWS CRT client (memory holds a few runs per reader)
 SMALL = 64 << 10  # a read this short, not continuing forward, reads a block this long: no run is fetched
@@ -83,11 +83,13 @@ class RangedObject:
     """The runs of the object at ``url`` fetched so far, shared by its readers (see the module);
     ``budget``: shared with the other objects of the read (default: its own, of N + 2 runs)."""
 
-    def __init__(self, url: str, fs: Any, key: str, info: dict[str, Any], budget: Budget | None = None) -> None:
+    def __init__(
+        self, url: str, fs: Any, key: str, info: dict[str, Any], budget: Budget | None = None, *, run: int = 0
+    ) -> None:
         self.url, self.fs, self.key, self.info = url, fs, key, info
         self.size = int(info["size"])
         self.etag = info.get("ETag")
-        self.run = RUN
+        self.run = run or RUN  # another process's reads of it (a worker's) use the run of the first
         self.runs = -(-self.size // self.run)
         self.ahead = remote.parts_in_flight()
         self._own = budget is None  # closed with this object, else by the read that shares it
@@ -112,9 +114,14 @@ class RangedObject:
             future = self._runs[run]
         self.budget.use(self, wanted)
         data = future.result()
+        self.check_if_whole()
+        return data
+
+    def check_if_whole(self) -> None:
+        """Once every run has been read (here, or by another process's reads of it): the whole
+        object held to its recorded CRC-32."""
         if not self._whole_checked and len(self._crcs) == self.runs:
             self._check_whole()
-        return data
 
     def cached(self, offset: int, length: int) -> bytes | None:
         """Bytes ``offset``.. of a run fetched already (``length`` of them at most), without a GET; None where none is."""
@@ -170,12 +177,26 @@ class RangedObject:
         start, end = run * self.run, min((run + 1) * self.run, self.size)
         data = bytearray()
         sink = (lambda at, piece: data.extend(piece)) if keep else None
-        value = remote.read_range(self.fs, self.key, self.url, start, end, sink, etag=self.etag)
-        with self._lock:
-            seen = self._crcs.setdefault(run, value)
-        if seen != value:
-            raise StorageError(f"{self.url}: bytes {start}-{end} changed between two reads of them; read it again")
+        self.add_runs({run: remote.read_range(self.fs, self.key, self.url, start, end, sink, etag=self.etag)})
         return data
+
+    def run_crcs(self) -> dict[int, int]:
+        """The CRC-32 of each run read so far (a worker's reads, reported to the process it serves)."""
+        with self._lock:
+            return dict(self._crcs)
+
+    def add_runs(self, crcs: dict[int, int]) -> None:
+        """Runs read, by this process or another's reads of the object (:meth:`run_crcs`).
+
+        Raises:
+            StorageError: a run read twice gave other bytes.
+        """
+        with self._lock:
+            changed = [run for run, value in crcs.items() if self._crcs.setdefault(run, value) != value]
+        if changed:
+            start = changed[0] * self.run
+            end = min(start + self.run, self.size)
+            raise StorageError(f"{self.url}: bytes {start}-{end} changed between two reads of them; read it again")
 
     def _check_whole(self) -> None:
         """Every run read: the object's CRC-32 against the one recorded for it, where there is one."""
@@ -347,5 +368,68 @@ def _placeholder(
 
     obj = RangedObject(url, fs, key, info, budget)
     objects.callback(obj.close)
-    objects.enter_context(read_elsewhere(local, lambda: cast(BinaryIO, obj.reader()), fill))
+    objects.enter_context(read_elsewhere(local, _opener(obj), fill))
+    objects.enter_context(routed(_STANDING, local, (obj, filled)))
     return obj, filled
+
+
+# The objects ranged_read's paths stand for, by absolute path, while its block lasts: what
+# another process (a convert's worker) needs to read them through ranges too.
+_STANDING: dict[str, tuple[RangedObject, list[bool]]] = {}
+
+Stand = tuple[str, str, dict[str, Any], int]  # a path, the object's URL, its listing, its run size
+
+
+def stand_ins(path: str | os.PathLike[str]) -> list[Stand]:
+    """The paths at or under ``path`` that stand for objects read through ranges (not copied
+    whole), as :func:`standing_in` in another process takes them."""
+    where = os.path.abspath(path)
+    return [
+        (p, obj.url, {"size": obj.size, "ETag": obj.etag}, obj.run)
+        for p, (obj, filled) in list(_STANDING.items())  # one atomic copy: other threads' reads change it
+        if (p == where or p.startswith(where + os.sep)) and not filled
+    ]
+
+
+@contextlib.contextmanager
+def standing_in(stands: list[Stand]) -> Iterator[dict[str, RangedObject]]:
+    """In another process than the one whose :func:`ranged_read` made them (a convert's spawned
+    worker): within the block, each path of ``stands`` is read through ranges of its object,
+    the version that read listed; yields the objects by URL, whose :meth:`RangedObject.run_crcs`
+    the first process then holds (:func:`add_runs`). Nothing is copied whole here: the path is
+    the first process's, so a reader that needs it whole is refused."""
+
+    def refused(url: str) -> Callable[[], None]:
+        def fill() -> None:
+            raise StorageError(f"{url}: a worker reads it through ranged GETs only; convert without workers")
+
+        return fill
+
+    with contextlib.ExitStack() as objects:
+        budget = Budget(2 * (remote.parts_in_flight() + 2))
+        objects.callback(budget.close)
+        found: dict[str, RangedObject] = {}
+        for path, url, info, run in stands:
+            fs, key = remote.filesystem(url)
+            obj = found[url] = RangedObject(url, fs, key, info, budget, run=run)
+            objects.callback(obj.close)
+            objects.enter_context(read_elsewhere(path, _opener(obj), refused(url)))
+        yield found
+
+
+def _opener(obj: RangedObject) -> Callable[[], BinaryIO]:
+    return lambda: cast(BinaryIO, obj.reader())
+
+
+def add_runs(runs: dict[str, dict[int, int]]) -> None:
+    """Another process's reads of this one's objects (:func:`standing_in`), by URL: each object
+    whose every run has now been read is held to its recorded CRC-32.
+
+    Raises:
+        StorageError: a run read twice gave other bytes; CheckpointFormatError: an object's bytes
+            differ from its recorded CRC-32.
+    """
+    objects = {obj.url: obj for obj, _ in list(_STANDING.values())}
+    for url, crcs in runs.items():
+        objects[url].add_runs(crcs)
+        objects[url].check_if_whole()

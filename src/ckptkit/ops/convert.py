@@ -29,6 +29,7 @@ from ..formats.pickles.safety import MODULE_WALK, AllowGlobals, unsafe_error
 from ..formats.source import NeedsTorch
 from ..formats.spec import CheckpointFormat, Part, View, WritePlan
 from ..formats.torchzip import modulepickle as mp
+from ..io import ranged
 from ..io.atomicdir import check_folder_destination
 from ..io.store import locate
 from ..model.hf_llama import CONFIG, LlamaConfig
@@ -341,7 +342,14 @@ def _convert(
     if llama is not None and folder:
         job.plan.extra = {CONFIG: llama.text}
     if workers > 1:  # the same convert in each, with its share of the shards (workers=1: they start none)
-        job.workers = Workers(_convert, src, dst, given | {"workers": 1}, progress=lambda n: _tell(job.plan, n))
+        job.workers = Workers(
+            _convert,
+            src,
+            dst,
+            given | {"workers": 1},
+            progress=lambda n: _tell(job.plan, n),
+            elsewhere=ranged.stand_ins(src),  # a URL's objects: each worker reads through ranges too
+        )
         job.plan.spread = job.workers
     elif meetings is not None and meetings.rank == 0:  # the other ranks receive their share from it
         job.workers, job.plan.spread = meetings, meetings

@@ -299,8 +299,8 @@ def fast_cast(view: View, cast: Cast) -> Callable[[Mapping[str, Any]], dict[str,
 def staged_convert(
     src: Location, dst: Location, convert: Callable[..., ConvertReport], **options: Any
 ) -> ConvertReport:
-    """``convert`` on local paths: a URL's object (or a prefix's folder of objects) staged locally;
-    a file output to S3 streamed to the store as it is written (:mod:`ckptkit.io.streamed`), any
+    """``convert`` on local paths: a URL's object (or a prefix's folder of objects) stood for by a
+    local path its readers read through ranges (:func:`~..io.ranged.ranged_read`); a file output to S3 streamed to the store as it is written (:mod:`ckptkit.io.streamed`), any
     other output to a URL written and checked locally, then uploaded; each committed whole or not
     at all (a failure leaves the previous object) and checked, a folder's files each so, its index
     (or ``.metadata``) last."""
@@ -316,8 +316,7 @@ def staged_convert(
             what = f"{url}/ holds objects" if folder else f"{url} exists"
             raise ArgumentError(f"{what}; pass {spell('force=True', '--force')} to replace it")
     with contextlib.ExitStack() as stack:
-        # --workers: spawned processes open the source themselves, so a URL's object is staged whole
-        source = stack.enter_context(src.reading(whole=(options.get("workers") or 1) > 1))
+        source = stack.enter_context(src.reading())  # --workers: each reads it through ranges too
         if folder:  # any folder format's index (or .metadata): an earlier one goes first, the new one last
             published = lambda name: any(f.published_by(name) for f in registry.FORMATS.values())  # noqa: E731
             dest = stack.enter_context(dst.writing_folder(published_by=published))

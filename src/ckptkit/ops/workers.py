@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import CheckpointWriteError, CkptkitError, cause, summarize
 from ..formats.source import NeedsTorch
 from ..formats.spec import Part
+from ..io import ranged
 
 _POLL = 0.2  # seconds between progress updates while the parent waits for its workers
 
@@ -36,13 +37,17 @@ class Share:
     cast: dict[str, str]
     merged: list[str]
     unread: list[str]
+    runs: dict[str, dict[int, int]] = field(default_factory=dict)  # the source's objects' runs it read, by URL
 
 
 @dataclass
 class Workers:
     """Runs ``convert(src, dst, **options, part=...)`` in a spawned process per share; call it
     with the temp folder and the other processes' shares (:data:`~..formats.spec.Spread`).
-    ``shares`` collects what they report; ``progress`` hears of their bytes as they copy them."""
+    ``shares`` collects what they report; ``progress`` hears of their bytes as they copy them.
+    ``elsewhere``: the source's paths that stand for objects in a store (:func:`~..io.ranged.stand_ins`),
+    which each worker reads through ranges too; the runs they read count towards each object's
+    whole CRC-32 here."""
 
     convert: Callable[..., Any]
     src: str
@@ -50,6 +55,7 @@ class Workers:
     options: dict[str, Any]
     progress: Callable[[int], None] | None = None
     shares: list[Share] = field(default_factory=list)
+    elsewhere: list[ranged.Stand] = field(default_factory=list)
 
     def __call__(self, folder: Path, shares: list[list[str]]) -> Callable[[bool], None]:
         ctx = multiprocessing.get_context("spawn")
@@ -60,7 +66,7 @@ class Workers:
             for i, files in enumerate(shares, 1):
                 ours, theirs = ctx.Pipe(duplex=False)
                 part = Part(folder, files)
-                args = (self.convert, self.src, self.dst, self.options, part, copied, theirs)
+                args = (self.convert, self.src, self.dst, self.options, part, copied, theirs, self.elsewhere)
                 proc = ctx.Process(target=_work, args=args, name=f"ckptkit-worker-{i}", daemon=True)
                 proc.start()
                 theirs.close()  # the child holds its end: EOF here once it exits
@@ -98,6 +104,7 @@ class Workers:
                         # needing torch is no failure: the parent converts alone, as one process would say why
                         raise kind(text if kind is NeedsTorch else f"worker {i} of {count} ({_named(files)}): {text}")
                     self.shares.append(value)
+                    ranged.add_runs(value.runs)
                 tick()
             finally:
                 _stop(running)
@@ -125,6 +132,7 @@ def _work(
     part: Part,
     copied: Any,
     conn: multiprocessing.connection.Connection,
+    elsewhere: list[ranged.Stand],
 ) -> None:
     """A worker's body: the convert with its part; sends ``("ok", Share)`` or ``("error", (type, text))``."""
 
@@ -133,7 +141,9 @@ def _work(
             copied.value += n
 
     try:
-        convert(src, dst, **options, progress=progress, part=part)
+        with ranged.standing_in(elsewhere) as objects:
+            convert(src, dst, **options, progress=progress, part=part)
+            part.share.runs = {url: obj.run_crcs() for url, obj in objects.items()}
         conn.send(("ok", part.share))
     except CkptkitError as e:  # the parent raises it again, naming this worker
         conn.send(("error", (type(e), cause(e, typed=False))))
