@@ -88,3 +88,24 @@ def test_local_file_of_a_folder_is_safe_beside_another_threads_reads(tmp_path: P
         for h in held:
             h.__exit__(None, None, None)
     assert not errors, errors
+
+
+# Found in review: local_file took a path's route before filling it, so a fill that failed (a
+# worker, which never fills its parent's path) left later opens reading the local placeholder.
+def test_a_fill_that_fails_leaves_the_path_read_elsewhere(tmp_path: Path) -> None:
+    import io
+
+    from ckptkit.errors import StorageError
+    from ckptkit.io import fileio
+
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(bytes(8))  # the placeholder: zeros
+
+    def refused() -> None:
+        raise StorageError(f"{path}: not filled here")
+
+    with fileio.read_elsewhere(path, lambda: io.BytesIO(b"the object"), refused):  # type: ignore[arg-type,return-value]
+        with pytest.raises(StorageError):
+            fileio.local_file(path)
+        with open_regular(path) as f:
+            assert f.read() == b"the object"

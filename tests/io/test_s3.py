@@ -1600,3 +1600,73 @@ def test_convert_workers_read_a_prefix_through_ranges_and_hold_every_object(
     assert any(runs for share in received for runs in share.values()), received  # the worker's runs came back
     assert sorted(u for u in held if u in shards) == shards, held  # each shard held whole once, its runs joined
     assert not list((tmp_path / "staging").iterdir())
+
+
+# Found in review: a worker's runs were joined by URL, to whichever open read of it came last
+# (two converts of one URL in threads): the first read's object was never held whole, and a
+# second read of a replaced object was held to the first one's bytes.
+def test_a_workers_runs_join_the_read_they_came_from(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged, upload
+
+    monkeypatch.setattr(ranged, "RUN", 256 << 10)
+    url = f"{prefix}/m.bin"
+
+    def put(data: bytes) -> None:
+        (tmp_path / "f").write_bytes(data)
+        upload.upload_verified(tmp_path / "f", url)  # records ckptkit's CRC-32
+
+    put(os.urandom(2 << 18))
+    with ranged.ranged_read(url) as a:
+        ((path, u, info, run),) = ranged.stand_ins(a)
+        with ranged.standing_in([(path, u, info, run)]) as objects:  # what a worker does, here
+            objects[path].reader().read()
+            runs = {p: obj.run_crcs() for p, obj in objects.items()}
+        with ranged.ranged_read(url) as b:  # another read of the same object, open meanwhile
+            ranged.add_runs(runs)  # the first read's worker reports back
+            first, second = ranged._STANDING[os.path.abspath(a)][0], ranged._STANDING[os.path.abspath(b)][0]
+            assert sorted(first.run_crcs()) == [0, 1] and first.run_crcs() == runs[path]
+            assert second.run_crcs() == {}
+
+
+# Found in review: a reader waiting for a run another reader's budget let go got CancelledError.
+def test_a_run_let_go_while_a_reader_waits_for_it_is_asked_again(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import ranged
+
+    monkeypatch.setattr(ranged, "RUN", 1 << 20)
+    monkeypatch.setenv("CKPTKIT_S3_PARTS", "1")
+    url = f"{prefix}/m.bin"
+    _fs().pipe_file(url, os.urandom(3 << 20))
+    fs, key = remote.filesystem(url)
+    budget = ranged.Budget(1)  # room for one run: a second reader's run lets the first one's go
+    obj = ranged.RangedObject(url, fs, key, remote.object_if_any(fs, key, url), budget)
+    held = threading.Event()
+    budget.pool.submit(held.wait)  # the one fetching thread is busy: runs asked for stay queued
+    got: dict[int, Any] = {}
+
+    def read(run: int) -> None:
+        try:
+            got[run] = bytes(obj.get(run, ahead=0))
+        except BaseException as e:  # noqa: BLE001 - what the reader met, for the assertion
+            got[run] = e
+
+    first = threading.Thread(target=read, args=(0,))
+    first.start()
+    while 0 not in obj._runs:  # the first reader has asked for run 0 and waits for it
+        time.sleep(0.001)
+    second = threading.Thread(target=read, args=(1,))
+    second.start()
+    while 1 not in obj._runs:
+        time.sleep(0.001)
+    threading.Timer(0.2, held.set).start()
+    first.join(60)
+    second.join(60)
+    data = _fs().cat_file(url)
+    try:
+        assert got == {0: data[: 1 << 20], 1: data[1 << 20 : 2 << 20]}, {k: type(v) for k, v in got.items()}
+    finally:
+        obj.close()
+        budget.close()

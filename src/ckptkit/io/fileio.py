@@ -94,9 +94,13 @@ def local_file(path: str | os.PathLike[str]) -> str:
     for key in [
         k for k in list(_ELSEWHERE) if k == where or k.startswith(where + os.sep)
     ]:  # one atomic copy: other threads' reads register theirs
-        found = _ELSEWHERE.pop(key, None)
+        found = _ELSEWHERE.pop(key, None)  # taken first: another thread's call does not fill it twice
         if found is not None:
-            found[1]()
+            try:
+                found[1]()
+            except BaseException:
+                _ELSEWHERE.setdefault(key, found)  # not filled: its reads still go to the object, not to a hole
+                raise
     return os.fspath(path)
 
 

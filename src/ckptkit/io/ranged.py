@@ -107,13 +107,18 @@ class RangedObject:
         """Run ``run``'s bytes, and the ``ahead`` runs after it asked for; the runs used least
         recently beyond what memory holds are let go."""
         wanted = range(run, min(run + ahead, self.runs - 1) + 1)
-        with self._lock:  # the bookkeeping: readers may share the object across threads
-            for r in wanted:
-                if r not in self._runs:
-                    self._runs[r] = self.budget.pool.submit(self._fetch, r)
-            future = self._runs[run]
-        self.budget.use(self, wanted)
-        data = future.result()
+        while True:
+            with self._lock:  # the bookkeeping: readers may share the object across threads
+                for r in wanted:
+                    if r not in self._runs:
+                        self._runs[r] = self.budget.pool.submit(self._fetch, r)
+                future = self._runs[run]
+            self.budget.use(self, wanted)
+            try:
+                data = future.result()
+                break
+            except concurrent.futures.CancelledError:  # let go meanwhile for another reader's runs: ask again
+                continue
         self.check_if_whole()
         return data
 
@@ -395,7 +400,7 @@ def stand_ins(path: str | os.PathLike[str]) -> list[Stand]:
 def standing_in(stands: list[Stand]) -> Iterator[dict[str, RangedObject]]:
     """In another process than the one whose :func:`ranged_read` made them (a convert's spawned
     worker): within the block, each path of ``stands`` is read through ranges of its object,
-    the version that read listed; yields the objects by URL, whose :meth:`RangedObject.run_crcs`
+    the version that read listed; yields the objects by path, whose :meth:`RangedObject.run_crcs`
     the first process then holds (:func:`add_runs`). Nothing is copied whole here: the path is
     the first process's, so a reader that needs it whole is refused."""
 
@@ -411,7 +416,7 @@ def standing_in(stands: list[Stand]) -> Iterator[dict[str, RangedObject]]:
         found: dict[str, RangedObject] = {}
         for path, url, info, run in stands:
             fs, key = remote.filesystem(url)
-            obj = found[url] = RangedObject(url, fs, key, info, budget, run=run)
+            obj = found[path] = RangedObject(url, fs, key, info, budget, run=run)
             objects.callback(obj.close)
             objects.enter_context(read_elsewhere(path, _opener(obj), refused(url)))
         yield found
@@ -422,14 +427,17 @@ def _opener(obj: RangedObject) -> Callable[[], BinaryIO]:
 
 
 def add_runs(runs: dict[str, dict[int, int]]) -> None:
-    """Another process's reads of this one's objects (:func:`standing_in`), by URL: each object
-    whose every run has now been read is held to its recorded CRC-32.
+    """Another process's reads of this one's objects (:func:`standing_in`), by the path that
+    stands for each (two reads of one URL have two): each object whose every run has now been
+    read is held to its recorded CRC-32.
 
     Raises:
-        StorageError: a run read twice gave other bytes; CheckpointFormatError: an object's bytes
-            differ from its recorded CRC-32.
+        StorageError: a run read twice gave other bytes, or the read that made the path is over;
+            CheckpointFormatError: an object's bytes differ from its recorded CRC-32.
     """
-    objects = {obj.url: obj for obj, _ in list(_STANDING.values())}
-    for url, crcs in runs.items():
-        objects[url].add_runs(crcs)
-        objects[url].check_if_whole()
+    for path, crcs in runs.items():
+        found = _STANDING.get(path)
+        if found is None:
+            raise StorageError(f"{path}: no read of an object stands behind it any more; read it again")
+        found[0].add_runs(crcs)
+        found[0].check_if_whole()

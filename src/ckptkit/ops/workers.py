@@ -37,7 +37,7 @@ class Share:
     cast: dict[str, str]
     merged: list[str]
     unread: list[str]
-    runs: dict[str, dict[int, int]] = field(default_factory=dict)  # the source's objects' runs it read, by URL
+    runs: dict[str, dict[int, int]] = field(default_factory=dict)  # the source's objects' runs it read, by path
 
 
 @dataclass
@@ -143,7 +143,7 @@ def _work(
     try:
         with ranged.standing_in(elsewhere) as objects:
             convert(src, dst, **options, progress=progress, part=part)
-            part.share.runs = {url: obj.run_crcs() for url, obj in objects.items()}
+            part.share.runs = {path: obj.run_crcs() for path, obj in objects.items()}
         conn.send(("ok", part.share))
     except CkptkitError as e:  # the parent raises it again, naming this worker
         conn.send(("error", (type(e), cause(e, typed=False))))
