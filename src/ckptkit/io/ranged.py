@@ -8,9 +8,9 @@ in aligned runs of :data:`RUN` bytes, one GET each, kept for every reader of it 
 (detection, the parser and the check each open it): once a reader crosses into the next run, the
 :func:`~.remote.parts_in_flight` runs after it are fetched ahead. Memory holds those, and two
 more (a reader going back a little, to a header; the end of a zip); the objects of a prefix
-share a :class:`Budget` of twice that, so memory does not grow with the shards. A short read that does not go
-forward (a header, a zip's directory entry) reads a block of :data:`SMALL` bytes around it
-instead, so that ``inspect`` reads headers, not weights.
+share a :class:`Budget` of twice that, so memory does not grow with the shards. A short read
+that does not go forward (a header, a zip's directory entry) reads a block of :data:`SMALL`
+bytes around it instead, so that ``inspect`` reads headers, not weights.
 
 Every run's CRC-32 is kept: a run read twice with other bytes is an object that changed, and once
 every run has been read, the whole object's CRC-32 is held against the one ckptkit recorded when
@@ -406,7 +406,10 @@ def standing_in(stands: list[Stand]) -> Iterator[dict[str, RangedObject]]:
 
     def refused(url: str) -> Callable[[], None]:
         def fill() -> None:
-            raise StorageError(f"{url}: a worker reads it through ranged GETs only; convert without workers")
+            raise StorageError(  # a worker cannot tell how its caller spells the option: both ways
+                f"{url}: a convert's worker reads it through ranged GETs only, and this read needs it whole; "
+                "convert in one process (workers=1, --workers 1)"
+            )
 
         return fill
 
