@@ -1670,3 +1670,49 @@ def test_a_run_let_go_while_a_reader_waits_for_it_is_asked_again(
     finally:
         obj.close()
         budget.close()
+
+
+def _damage_tensor(path: Path, name: str) -> None:
+    """One bit of tensor ``name``'s bytes flipped in the safetensors file at ``path``."""
+    data = bytearray(path.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    start, _ = json.loads(data[8 : 8 + length])[name]["data_offsets"]
+    data[8 + length + start + 10] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "a_workers_second_shard_fails"])
+def test_convert_workers_stream_their_shards_to_an_empty_prefix(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked_by: str, damaged: bool
+) -> None:
+    from ckptkit.io import upload
+
+    uploaded: list[str] = []  # what this process uploads from a local file
+    upload_verified = upload.upload_verified
+
+    def staged(local: Path, url: str) -> str:
+        uploaded.append(local.name)
+        return upload_verified(local, url)
+
+    monkeypatch.setattr(upload, "upload_verified", staged)
+    state = {f"l{i}.weight": torch.randn(3 << 20) for i in range(4)}
+    src = tmp_path / "src.safetensors"
+    ckptkit.convert_checkpoint(_saved(tmp_path, state), src)  # records each tensor's CRC-32
+    url = f"{prefix}/out"
+    if damaged:  # the worker writes the second and fourth shards: the second commits, the fourth fails
+        _damage_tensor(src, "l3.weight")
+        with pytest.raises(ckptkit.errors.CheckpointFormatError, match="worker 1 of 2 .*l3.weight"):
+            ckptkit.convert_checkpoint(src, f"{url}/", max_shard_size="13MB", workers=2)
+        assert not _fs().exists(url) or not _fs().ls(url), _fs().ls(url)  # every committed shard removed
+        assert not _unfinished_uploads(s3_endpoint, _key(url))
+        return
+    report = ckptkit.convert_checkpoint(src, f"{url}/", max_shard_size="13MB", workers=2)
+    names = sorted(n.rsplit("/", 1)[-1] for n in _fs().ls(url))
+    assert len([n for n in names if n.endswith(".safetensors")]) == 4, names
+    assert uploaded == ["model.safetensors.index.json"], uploaded  # the worker's shards streamed, not uploaded here
+    said = [n for n in report.notes if n.startswith(f"{url}/: ")]
+    assert sum(int(n.split(": ")[1].split(" ")[0]) for n in said) == 5, report.notes  # each file, by its check
+    assert any(n.endswith(f"checked by {checked_by}") for n in said), report.notes
+    assert _equal(dict(sorted(ckptkit.read_checkpoint(url).items())), dict(sorted(state.items())))
+    assert not list((tmp_path / "staging").iterdir())

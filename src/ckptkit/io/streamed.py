@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointWriteError, CkptkitError
 from . import remote, upload
-from .atomic import Kept, Opener, folder_written_elsewhere, written_elsewhere
+from .atomic import Kept, Opener, folder_route, folder_written_elsewhere, written_elsewhere
 from .crcmath import crc32_combine
 from .fileio import crc32
 from .remote import filesystem, naming, protocols, staging
@@ -283,25 +283,84 @@ def streamed_folder(
     """
     fs, _ = filesystem(url)  # a missing extra fails before anything is written
     streams = "s3" in protocols(fs) and not remote.list_names(url)
-    done: dict[str, list[str]] = {}  # streamed name -> its check
-
-    def route(path: Path) -> Opener | None:  # the file as the writer made it, in its temp folder
-        if published_by(path.name):
-            return None  # after the folder's check, as the block ends
-        done[path.name] = []
-        return lambda **how: _opened(remote.join(url, path.name), path, done[path.name], **how)
-
+    route = _Route(url, published_by)
     with staging(url) as local, naming(local, url):
         try:
             with folder_written_elsewhere(local, route) if streams else contextlib.nullcontext():
                 yield local
-            sent = {name for name, how in done.items() if how}
-            checks = [how for name in sorted(sent) for how in done[name]]
-            checks += upload.upload_folder(local, url, published_by=published_by, sent=sent)
+            sent = route.committed()
+            checks = [how for name in sorted(sent) for how in sent[name]]
+            checks += upload.upload_folder(local, url, published_by=published_by, sent=set(sent))
         except BaseException:
-            for name in [name for name, how in done.items() if how]:  # committed, never published: gone again
-                with contextlib.suppress(CkptkitError):
-                    remote.delete(remote.join(url, name))
+            route.remove()  # committed, never published: gone again
             raise
     if checked is not None:
         checked += checks
+
+
+class _Route:
+    """Where the new files of a folder output streaming to the prefix ``url`` go (each file as
+    the writer made it, in its temp folder): ``done``, each streamed file's name -> the check it
+    passed (empty until it is committed)."""
+
+    def __init__(self, url: str, published_by: Callable[[str], bool]) -> None:
+        self.url, self.published_by = url, published_by
+        self.done: dict[str, list[str]] = {}
+        self.others: set[str] = set()  # what other processes stream (a worker stopped may not say)
+
+    def __call__(self, path: Path) -> Opener | None:
+        if self.published_by(path.name):
+            return None  # after the folder's check, as the block ends
+        done = self.done[path.name] = []
+        return lambda **how: _opened(remote.join(self.url, path.name), path, done, **how)
+
+    def committed(self) -> dict[str, list[str]]:
+        return {name: how for name, how in self.done.items() if how}
+
+    def remove(self) -> None:
+        for name in sorted(set(self.committed()) | self.others):
+            with contextlib.suppress(CkptkitError):
+                remote.delete(remote.join(self.url, name))
+
+
+def folder_stand_in(folder: Path) -> str | None:
+    """The prefix the new files of ``folder`` (a folder output's temp folder) stream to, if they
+    do: another process writing some of them (a convert's worker) streams them there too
+    (:func:`streaming_into`)."""
+    route = folder_route(folder)
+    return route.url if isinstance(route, _Route) else None
+
+
+@contextlib.contextmanager
+def streaming_into(folder: Path, url: str | None) -> Iterator[dict[str, list[str]]]:
+    """In another process than the one whose :func:`streamed_folder` made ``folder`` (a convert's
+    worker): within the block, the new files it writes there stream to the prefix ``url`` (None:
+    written locally, as usual), each checked and committed as it ends. Yields each streamed
+    file's name -> its check (empty: not committed), for the first process (:func:`add_streamed`);
+    a failure removes what was committed (the index, the first process's, comes later)."""
+    if url is None:
+        yield {}
+        return
+    route = _Route(url, lambda name: False)  # a worker writes shards alone
+    try:
+        with folder_written_elsewhere(folder, route):
+            yield route.done
+    except BaseException:
+        route.remove()
+        raise
+
+
+def expect_streamed(folder: Path, names: list[str]) -> None:
+    """Files of ``folder`` another process will stream (:func:`streaming_into`): if this
+    process's write fails, they are removed too, whatever that process could say."""
+    route = folder_route(folder)
+    if isinstance(route, _Route):
+        route.others.update(names)
+
+
+def add_streamed(folder: Path, sent: dict[str, list[str]]) -> None:
+    """Files another process streamed for ``folder`` (:func:`streaming_into`): this process's
+    write takes them as its own, so they are not uploaded again, and are removed if it fails."""
+    route = folder_route(folder)
+    if isinstance(route, _Route):
+        route.done.update(sent)

@@ -1,7 +1,9 @@
 """``convert --workers N``: a sharded output's shards written by N processes at once.
 
 Every worker runs the same convert (the same checks, the same plan of shards) and writes only
-its share of the shard files into the parent's temp folder (:class:`~..formats.spec.Part`); the
+its share of the shard files into the parent's temp folder (:class:`~..formats.spec.Part`), or
+streams them to the store where the parent's output streams to an S3 prefix, reading a URL's
+source through ranges as the parent does (:mod:`..io.ranged`, :mod:`..io.streamed`); the
 parent writes the first share itself, then the index once every worker has written, checked
 and fsynced its files, and publishes the folder. A worker that fails, or dies, fails the whole
 convert and leaves no folder; the error names the worker, its shards and its cause. Workers are
@@ -24,7 +26,7 @@ from typing import Any
 from ..errors import CheckpointWriteError, CkptkitError, cause, summarize
 from ..formats.source import NeedsTorch
 from ..formats.spec import Part
-from ..io import ranged
+from ..io import ranged, streamed
 
 _POLL = 0.2  # seconds between progress updates while the parent waits for its workers
 
@@ -38,6 +40,7 @@ class Share:
     merged: list[str]
     unread: list[str]
     runs: dict[str, dict[int, int]] = field(default_factory=dict)  # the source's objects' runs it read, by path
+    sent: dict[str, list[str]] = field(default_factory=dict)  # shards it streamed to the output's store: their checks
 
 
 @dataclass
@@ -61,12 +64,15 @@ class Workers:
         ctx = multiprocessing.get_context("spawn")
         count = len(shares) + 1  # this process too; fewer than asked where there are fewer shards
         copied = ctx.Value("q", 0)  # bytes the workers have copied, for the parent's progress
+        stream_to = streamed.folder_stand_in(folder)  # an output streaming to a store: theirs stream too
+        for files in shares:
+            streamed.expect_streamed(folder, files)
         running = []
         try:
             for i, files in enumerate(shares, 1):
                 ours, theirs = ctx.Pipe(duplex=False)
                 part = Part(folder, files)
-                args = (self.convert, self.src, self.dst, self.options, part, copied, theirs, self.elsewhere)
+                args = (self.convert, self.src, self.dst, self.options, part, copied, theirs, self.elsewhere, stream_to)
                 proc = ctx.Process(target=_work, args=args, name=f"ckptkit-worker-{i}", daemon=True)
                 proc.start()
                 theirs.close()  # the child holds its end: EOF here once it exits
@@ -104,6 +110,7 @@ class Workers:
                         # needing torch is no failure: the parent converts alone, as one process would say why
                         raise kind(text if kind is NeedsTorch else f"worker {i} of {count} ({_named(files)}): {text}")
                     self.shares.append(value)
+                    streamed.add_streamed(folder, value.sent)  # before anything else can fail: removed then
                     ranged.add_runs(value.runs)
                 tick()
             finally:
@@ -133,6 +140,7 @@ def _work(
     copied: Any,
     conn: multiprocessing.connection.Connection,
     elsewhere: list[ranged.Stand],
+    stream_to: str | None,
 ) -> None:
     """A worker's body: the convert with its part; sends ``("ok", Share)`` or ``("error", (type, text))``."""
 
@@ -141,9 +149,10 @@ def _work(
             copied.value += n
 
     try:
-        with ranged.standing_in(elsewhere) as objects:
+        with ranged.standing_in(elsewhere) as objects, streamed.streaming_into(part.folder, stream_to) as sent:
             convert(src, dst, **options, progress=progress, part=part)
             part.share.runs = {path: obj.run_crcs() for path, obj in objects.items()}
+            part.share.sent = {name: how for name, how in sent.items() if how}
         conn.send(("ok", part.share))
     except CkptkitError as e:  # the parent raises it again, naming this worker
         conn.send(("error", (type(e), cause(e, typed=False))))
