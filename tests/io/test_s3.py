@@ -1716,3 +1716,51 @@ def test_convert_workers_stream_their_shards_to_an_empty_prefix(
     assert any(n.endswith(f"checked by {checked_by}") for n in said), report.notes
     assert _equal(dict(sorted(ckptkit.read_checkpoint(url).items())), dict(sorted(state.items())))
     assert not list((tmp_path / "staging").iterdir())
+
+
+_SLOW_PARTS = """
+import os, time
+from ckptkit.io import upload
+_send = upload.send_part
+def send_part(*a, **k):
+    time.sleep(1.5)
+    return _send(*a, **k)
+upload.send_part = send_part
+"""
+
+
+# Found in review: a worker stopped mid-shard (the parent's own share failed, or the worker was
+# killed) left its multipart upload open under the prefix; only its committed objects were removed.
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("how", ["parent_fails", "worker_killed"])
+def test_a_worker_stopped_mid_shard_leaves_no_upload_open(
+    prefix: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    import multiprocessing
+
+    from ckptkit.formats.hf import write as hfwrite
+
+    slow = tmp_path / "slowparts"  # loaded by the spawned workers alone: each part waits
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(_SLOW_PARTS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(slow), os.environ.get("PYTHONPATH")])))
+    state = {f"l{i}.weight": torch.randn(8 << 20) for i in range(2)}  # 32 MiB each: a shard each
+    url = f"{prefix}/out"
+    write_files = hfwrite._write_files
+
+    def parent_share(folder: Path, names: list[str], *a: Any, **k: Any) -> Any:  # in this process only
+        if any(n.endswith(".safetensors") for n in names):
+            while not _unfinished_uploads(s3_endpoint, _key(url)):  # the worker is streaming its shard
+                time.sleep(0.05)
+            if how == "parent_fails":
+                raise ckptkit.errors.CheckpointWriteError("the parent's own share failed (injected)")
+            for child in multiprocessing.active_children():
+                if child.name.startswith("ckptkit-worker"):
+                    os.kill(child.pid, signal.SIGKILL)
+        return write_files(folder, names, *a, **k)
+
+    monkeypatch.setattr(hfwrite, "_write_files", parent_share)
+    with pytest.raises(ckptkit.errors.CheckpointWriteError):
+        ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{url}/", max_shard_size="40MB", workers=2)
+    assert not _fs().exists(url) or not _fs().ls(url), _fs().ls(url)
+    assert not _unfinished_uploads(s3_endpoint, _key(url))

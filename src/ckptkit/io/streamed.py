@@ -318,9 +318,14 @@ class _Route:
         return {name: how for name, how in self.done.items() if how}
 
     def remove(self) -> None:
+        """Delete what was committed, and what other processes were to stream: one stopped
+        mid-shard (terminated, killed) left its multipart upload open, so that is aborted too."""
         for name in sorted(set(self.committed()) | self.others):
             with contextlib.suppress(CkptkitError):
                 remote.delete(remote.join(self.url, name))
+            if name in self.others:
+                fs, key = filesystem(remote.join(self.url, name))
+                upload.abort_left_uploads(fs, key)
 
 
 def folder_stand_in(folder: Path) -> str | None:
