@@ -91,9 +91,8 @@ def local_file(path: str | os.PathLike[str]) -> str:
         'model.safetensors'
     """
     where = os.path.abspath(path)
-    for key in [
-        k for k in list(_ELSEWHERE) if k == where or k.startswith(where + os.sep)
-    ]:  # one atomic copy: other threads' reads register theirs
+    keys = list(_ELSEWHERE)  # one atomic copy: other threads' reads register and drop theirs
+    for key in [k for k in keys if k == where or k.startswith(where + os.sep)]:
         found = _ELSEWHERE.pop(key, None)  # taken first: another thread's call does not fill it twice
         if found is not None:
             try:

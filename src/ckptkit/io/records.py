@@ -91,8 +91,6 @@ def delete_record(url: str, version: str) -> None:
         found = read_record(url)
         if found is not None and found[1] == version:
             fs.rm(key)
-    except OSError as e:
-        if not lost_race(e):
+    except Exception as e:  # noqa: BLE001 - the store's: OSError, or botocore's own (no credentials)
+        if not (isinstance(e, OSError) and lost_race(e)):  # another writer's record: left alone
             raise StorageError(f"{url}: deleting it failed ({one_line(e)}); delete it by hand") from e
-    except Exception as e:  # noqa: BLE001 - botocore's own (no credentials, endpoint gone)
-        raise StorageError(f"{url}: deleting it failed ({one_line(e)}); delete it by hand") from e

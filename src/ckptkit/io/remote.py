@@ -6,10 +6,10 @@ folder's files, a file for another store) is written and checked in a staging fo
 (``$CKPTKIT_STAGING``, else the system's temp folder), then uploaded in parts (:mod:`.upload`).
 Either way the commit is what the store offers (one PUT, or the completion of a multipart upload;
 any failure aborts the upload instead, so the previous object stays), checked by the store's
-CRC-32 of the object or by reading it back before success is reported. An object on S3 is read
-through ranged GETs as the torch-free readers ask for its bytes (:mod:`.ranged`); what torch
-reads, a prefix's objects and other stores are streamed, in ranged GETs, into a staging file
-(:func:`staged_read`). Memory stays bounded at any size: a few parts (or pieces of a GET's
+CRC-32 of the object or by reading it back before success is reported. An object on S3, or a
+prefix's objects, are read through ranged GETs as the torch-free readers ask for their bytes
+(:mod:`.ranged`); what torch reads and other stores are streamed, in ranged GETs, into a staging
+file (:func:`staged_read`). Memory stays bounded at any size: a few parts (or pieces of a GET's
 stream) in flight.
 
 fsspec (and s3fs for ``s3://``) is imported only when a URL is given: ``pip install 'ckptkit[s3]'``.
@@ -458,7 +458,10 @@ def staged_read(url: str) -> Iterator[Path]:
             local.mkdir()
             for name in listed:
                 download(join(url, name), local / name)
-            hold_listing(url, listed)
+            if listing(url) != listed:  # a writer replaced files meanwhile: the copy may mix two folders
+                raise StorageError(
+                    f"{url}/: its objects changed while they were read (a writer at work?); read it again"
+                )
         else:
             download(url, local)
         yield local
@@ -488,13 +491,6 @@ def listing(url: str) -> dict[str, tuple[Any, Any]]:
         for e in entries
         if e.get("type") == "file"
     }
-
-
-def hold_listing(url: str, listed: dict[str, tuple[Any, Any]]) -> None:
-    """Raise where the prefix's objects are no longer those ``listed`` before a read of them: a
-    writer replaced files meanwhile, so what was read may mix two folders."""
-    if listing(url) != listed:
-        raise StorageError(f"{url}/: its objects changed while they were read (a writer at work?); read it again")
 
 
 def delete(url: str) -> None:

@@ -188,8 +188,8 @@ class Remote:
         by the torch-free readers (:func:`~.ranged.ranged_read`), copied whole into it for torch;
         ``whole`` (torch reads it all): staged whole at once. Its CRC-32 is held against the one
         ckptkit recorded when it wrote it once every byte is read (``checked``: as the block ends,
-        reading what the readers did not). A prefix (a folder's objects) is staged whole. Errors
-        inside name the URL."""
+        reading what the readers did not). A prefix stands for a folder of its objects, read the
+        same way. Errors inside name the URL."""
         with remote.staged_read(self.spelled) if whole else ranged.ranged_read(self.spelled, complete=checked) as local:
             yield os.fspath(local)
 

@@ -273,9 +273,9 @@ def streamed_folder(
 
     On S3, into a prefix holding no objects: each file the writer creates with
     :func:`~.atomic.streamed_file` (a Hugging Face shard) streams to the store, and is checked and
-    committed as it ends; what else it writes (the index, ``config.json``, files another process
-    wrote) is uploaded when the block ends, the files ``published_by`` names last
-    (:func:`~.upload.upload_folder`). A prefix that holds objects already (``--force``), and other
+    committed as it ends, as are those a convert's workers stream there (:func:`streaming_into`);
+    what else it writes (the index, ``config.json``) is uploaded when the block ends, the files
+    ``published_by`` names last (:func:`~.upload.upload_folder`). A prefix that holds objects already (``--force``), and other
     stores, are staged whole and uploaded when the block ends: a write that fails there leaves the
     earlier folder as it was, where streaming would have unpublished it first. A write that fails
     removes the files it streamed (never published: the index comes last). Which check each file

@@ -300,8 +300,8 @@ def staged_convert(
     src: Location, dst: Location, convert: Callable[..., ConvertReport], **options: Any
 ) -> ConvertReport:
     """``convert`` on local paths: a URL's object (or a prefix's folder of objects) stood for by a
-    local path its readers read through ranges (:func:`~..io.ranged.ranged_read`); a file output to S3 streamed to the store as it is written (:mod:`ckptkit.io.streamed`), any
-    other output to a URL written and checked locally, then uploaded; each committed whole or not
+    local path its readers read through ranges (:func:`~..io.ranged.ranged_read`); a file output
+    to S3 streamed to the store as it is written (:mod:`ckptkit.io.streamed`), any other output to a URL written and checked locally, then uploaded; each committed whole or not
     at all (a failure leaves the previous object) and checked, a folder's files each so, its index
     (or ``.metadata``) last."""
     folder = dst.given.endswith("/") or options.get("max_shard_size") is not None or options.get("format") is not None

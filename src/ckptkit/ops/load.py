@@ -80,9 +80,8 @@ def load_for_rank(
         >>> ckpt = load_for_rank("ckpt.pt", model=model)  # doctest: +SKIP
         >>> optimizer.load_state_dict(ckpt["optimizer"])  # doctest: +SKIP
     """
-    with (
-        locate(path).pointed().reading(whole=True) as source
-    ):  # an object's URL staged once, for the check and the load
+    # an object's URL staged once, for the check and the load
+    with locate(path).pointed().reading(whole=True) as source:
         if verify:
             verify_checkpoint(source).gate(trust=trust, allow_globals=allow_globals)
         obj = read_checkpoint(source, map_location=map_location, trust=trust, allow_globals=allow_globals, mmap=mmap)
