@@ -498,3 +498,13 @@ def test_an_fsdp1_rank_file_is_named_and_the_advice_leads_to_the_weights(tmp_pat
     got = load_file(tmp_path / "whole.safetensors")
     assert list(got) == list(full) and all(torch.equal(got[k], v) for k, v in full.items())
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("shape", [(0, 0), (2, 0), (0, 3, 1)])
+def test_an_empty_tensor_is_copied_without_torch_whatever_its_strides(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    # torch gives a (0, 0) tensor strides (1, 1): contiguous to torch (no element), refused before
+    torch.save({"w": torch.zeros(shape), "b": torch.ones(2)}, tmp_path / "src.pt")
+    report = ckptkit.convert_checkpoint(tmp_path / "src.pt", tmp_path / "out.safetensors")
+    assert report.fast and not report.fallback_reason
+    got = load_file(tmp_path / "out.safetensors")
+    assert got["w"].shape == shape and torch.equal(got["b"], torch.ones(2))
