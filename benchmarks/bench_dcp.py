@@ -169,6 +169,7 @@ def main() -> int:
         make_dcp(src, args.gib, mesh=args.mesh)
         size = sum(p.stat().st_size for p in src.iterdir())
         copy, out, shards = scratch / "copy.dcp", scratch / "single.pt", scratch / "hf"
+        resharded = scratch / "out.dcp"
         flat, flat_copy, flat_out = scratch / "flat.pt", scratch / "flat_copy.pt", scratch / "flat_out.pt"
         ckptkit = [sys.executable, "-m", "ckptkit.cli", "convert"]
         single_file = not args.only_memory and not args.folder_only
@@ -189,6 +190,13 @@ def main() -> int:
                 "ckptkit convert ckpt.dcp hf/ --workers 2 (200MB shards)",
                 [*ckptkit, str(src), f"{shards}/", "--max-shard-size", "200MB", "--workers", "2"],
                 shards,
+                dcp_in,
+                "dcp",
+            ),
+            (
+                "ckptkit convert ckpt.dcp out.dcp --format dcp (one .distcp)",
+                [*ckptkit, str(src), str(resharded), "--format", "dcp"],
+                resharded,
                 dcp_in,
                 "dcp",
             ),

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.errors import ArgumentError, UnsafeCheckpointError
@@ -13,7 +16,7 @@ from ckptkit.io.atomic import TMP_SUFFIX
 from ckptkit.io.atomicdir import atomic_folder
 from fixtures.make_dcp_fixtures import TinyGPT
 from tests.group import ok_values, run_group
-from tests.torchcompat import LOAD_ALONE
+from tests.torchcompat import LOAD_ALONE, SAVE_ALONE
 
 
 def _expected(fixtures_dir: Path) -> dict[str, torch.Tensor]:
@@ -206,3 +209,124 @@ def test_a_folder_output_named_like_a_file_is_refused(
     assert list(tmp_path.iterdir()) == []
     ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", f"{tmp_path / name}/", **option)  # type: ignore[arg-type]  # said to be a folder: made
     assert (tmp_path / name).is_dir()
+
+
+# -- ckptkit's own DCP writer, against torch's (FileSystemWriter) -----------------------------------
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float8_e4m3fn]
+
+
+def _tensors() -> st.SearchStrategy[torch.Tensor]:
+    shapes = st.lists(st.integers(0, 4), max_size=3).map(tuple)
+    return st.tuples(st.sampled_from(_DTYPES), shapes, st.integers(0, 2**16)).map(
+        lambda d: (torch.randn(d[1], generator=torch.Generator().manual_seed(d[2])) * 3).to(d[0])
+    )
+
+
+def _values() -> st.SearchStrategy[Any]:
+    plain = st.one_of(st.integers(-5, 10**12), st.floats(allow_nan=False), st.text(max_size=5), st.none())
+    leaves = st.one_of(_tensors(), plain, st.lists(plain, max_size=3), st.tuples(plain, plain))
+    keys = st.one_of(st.text("abcxyz_", min_size=1, max_size=4), st.integers(0, 3))
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.dictionaries(keys, inner, max_size=3),
+            st.lists(st.one_of(inner.filter(lambda v: v != {}), _tensors()), min_size=1, max_size=3),
+        ),
+        max_leaves=12,
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _flat_keys_unique(state: dict[str, Any]) -> bool:
+    from ckptkit.formats.dcp.write import flatten
+
+    try:
+        flatten(state, source="x")
+    except ArgumentError:
+        return False
+    return True
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=st.dictionaries(st.text("abc", min_size=1, max_size=3), _values(), min_size=1, max_size=4))
+def test_dcp_output_is_what_torchs_own_writer_writes(
+    tmp_path_factory: pytest.TempPathFactory, state: dict[str, Any]
+) -> None:
+    """The same metadata (keys, dtypes, sizes, chunks, paths) and the same values back through
+    torch's own reader as ``dcp.save`` gives, for any nesting of tensors and plain values."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = {"model": {"w": torch.arange(6.0).view(2, 3)}, **state}  # where convert finds the weights
+    assume(_flat_keys_unique(state))
+    tmp = tmp_path_factory.mktemp("w")
+    torch.save(state, tmp / "src.pt")
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / "torch.dcp")), **SAVE_ALONE)
+    report = ckptkit.convert_checkpoint(tmp / "src.pt", tmp / "ours.dcp", format="dcp", to="keep")
+    assert report.fast  # written without torch
+    theirs, ours = (pickle.loads((tmp / f / ".metadata").read_bytes()) for f in ("torch.dcp", "ours.dcp"))
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.planner_data == theirs.planner_data
+    for f in ("torch.dcp", "ours.dcp"):
+        dcp_to_torch_save(tmp / f, tmp / f"{f}.pt")
+    back = torch.load(tmp / "ours.dcp.pt", weights_only=True)
+    assert _same(back, torch.load(tmp / "torch.dcp.pt", weights_only=True))
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"model": {"w": torch.ones(1)}, "groups": [{"lr": 0.1}, {}]}, r"groups\.1 is an empty dict inside a list"),
+        ({"model": {"w": torch.ones(1)}, "state": {0: torch.ones(1), "0": 2}}, r"'state\.0' names two values"),
+    ],
+    ids=["empty_dict_in_a_list", "two_paths_one_key"],
+)
+def test_what_torchs_reader_could_not_load_is_refused_before_anything_is_written(
+    tmp_path: Path, state: dict[str, Any], message: str
+) -> None:
+    torch.save(state, tmp_path / "src.pt")
+    with pytest.raises(ArgumentError, match=message):
+        ckptkit.convert_checkpoint(tmp_path / "src.pt", tmp_path / "out.dcp", format="dcp", to="keep")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
+
+
+def test_a_dcp_split_along_dim_1_converts_to_dcp_without_torch(fixtures_dir: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    report = ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp_dim1", tmp_path / "out.dcp", format="dcp")
+    assert report.fast and not report.fallback_reason
+    dcp_to_torch_save(tmp_path / "out.dcp", tmp_path / "back.pt")
+    want = torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True)
+    assert _same(torch.load(tmp_path / "back.pt", weights_only=True), want)
+
+
+def test_a_folder_that_fails_its_own_check_is_not_published(
+    fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.errors import CheckpointWriteError
+    from ckptkit.formats.dcp import write
+
+    real = write.metadata_bytes
+    monkeypatch.setattr(
+        write, "metadata_bytes", lambda items, stored: real(items, {k: (at + 1, n) for k, (at, n) in stored.items()})
+    )
+    with pytest.raises(CheckpointWriteError, match="fails its own check.*out.dcp is as it was"):
+        ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", tmp_path / "out.dcp", format="dcp")
+    assert list(tmp_path.iterdir()) == []

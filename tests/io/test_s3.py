@@ -780,6 +780,21 @@ def test_a_bad_parts_setting_is_one_line(prefix: str, tmp_path: Path, monkeypatc
 # -- a file streamed to the store as it is written: no local copy --------------------------------
 
 
+def _uploads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of each file uploaded whole from staging (not streamed)."""
+    from ckptkit.io import upload
+
+    uploaded: list[str] = []
+    upload_verified = upload.upload_verified
+
+    def staged(local: Path, url: str) -> str:
+        uploaded.append(local.name)
+        return upload_verified(local, url)
+
+    monkeypatch.setattr(upload, "upload_verified", staged)
+    return uploaded
+
+
 def _images(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Each streamed file's local image, as its stream finishes: its size and the bytes it holds on disk."""
     from ckptkit.io import streamed
@@ -828,16 +843,7 @@ def test_a_file_output_streams_to_the_store_keeping_only_its_headers_locally(
 def test_hf_shards_stream_to_an_empty_prefix_keeping_only_their_headers_locally(
     prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, checked_by: str
 ) -> None:
-    from ckptkit.io import upload
-
-    uploaded: list[str] = []
-    upload_verified = upload.upload_verified
-
-    def staged(local: Path, url: str) -> str:
-        uploaded.append(local.name)
-        return upload_verified(local, url)
-
-    monkeypatch.setattr(upload, "upload_verified", staged)
+    uploaded = _uploads(monkeypatch)
     held = _images(monkeypatch)
     state = {"a.weight": torch.randn(3 << 20), "b.weight": torch.randn(3 << 20), "b.bias": torch.randn(7)}
     if source == "dcp":
@@ -859,6 +865,30 @@ def test_hf_shards_stream_to_an_empty_prefix_keeping_only_their_headers_locally(
     assert sum(int(n.split(": ")[1].split(" ")[0]) for n in said) == 3, report.notes  # each file, by its check
     assert any(n.endswith(f"checked by {checked_by}") for n in said), report.notes
     assert _equal(ckptkit.read_checkpoint(f"{prefix}/out"), state)
+    assert not list((tmp_path / "staging").iterdir())
+
+
+def test_a_dcp_folder_streams_to_an_empty_prefix_its_metadata_last(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked_by: str
+) -> None:
+    uploaded = _uploads(monkeypatch)
+    held = _images(monkeypatch)
+    state = {"model": {"a.weight": torch.randn(3 << 20), "b.bias": torch.randn(7)}, "step": 3, "lrs": [0.1, 0.2]}
+    report = ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{prefix}/out/", format="dcp")
+    names = sorted(n.rsplit("/", 1)[-1] for n in _fs().ls(f"{prefix}/out/"))
+    assert names == [".metadata", "__0_0.distcp"] and uploaded == [".metadata"], (
+        names,
+        uploaded,
+    )  # .metadata alone staged
+    ((size, disk),) = held
+    assert size == _fs().size(f"{prefix}/out/__0_0.distcp") and size > 12 << 20 and disk < 256 << 10, held
+    said = [n for n in report.notes if n.startswith(f"{prefix}/out/: ")]
+    assert sum(int(n.split(": ")[1].split(" ")[0]) for n in said) == 2 and any(checked_by in n for n in said), (
+        report.notes
+    )
+    back = ckptkit.read_checkpoint(f"{prefix}/out")
+    assert back["step"] == 3 and back["lrs"] == [0.1, 0.2] and _equal(back["model"], state["model"])
+    assert ckptkit.verify_checkpoint(f"{prefix}/out").ok
     assert not list((tmp_path / "staging").iterdir())
 
 

@@ -6,7 +6,7 @@ milliseconds (``tests/test_architecture.py`` imports each module in a fresh inte
 that). One model of a checkpoint: every source opens as its object tree with ``entry.Entry`` tensors
 (dtype, shape, where the bytes are and the CRC-32 they must have), selection and renaming act on
 that tree, and each output format has one writer that takes it: ``safetensors.write_safetensors``,
-``torchzip.writer.write_torch_zip``, ``hf.write.write_shards`` (DCP output is DCP's own writer).
+``torchzip.writer.write_torch_zip``, ``hf.write.write_shards``, ``dcp.write.write_dcp_entries``.
 
 One package per format, each holding its torch-free codec and, where the format needs torch, its
 torch half (``torch.py``, the only modules here that import torch):

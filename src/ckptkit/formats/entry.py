@@ -9,7 +9,7 @@ Every source opens as such a tree: a torch zip or safetensors file and Hugging F
 (:mod:`.source`), a DCP folder (:mod:`.dcp.stream`, whose tensors are entries themselves), torch
 tensors in memory (``ckptkit.formats.safetensors.torch``). Selection and renaming act on the tree; each output
 format then has one writer that takes it: :func:`.safetensors.write_safetensors`,
-:func:`.zipwrite.write_torch_zip`, :func:`.hf.write.write_shards` (and DCP's own writer).
+:func:`.zipwrite.write_torch_zip`, :func:`.hf.write.write_shards`, :func:`.dcp.write.write_dcp_entries`.
 
 Example:
     >>> e = Bytes("uint8", (3,), 3, lambda f, progress: f.write(b"abc"))

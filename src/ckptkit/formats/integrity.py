@@ -275,8 +275,19 @@ def check_written(path: Path, fmt: str, *, dest: Path) -> None:
         else:
             checks = _file_checks(path, fmt)
     except CheckpointFormatError as e:
-        checks = [Check("structure", "integrity", False, str(e).replace(str(path), str(dest)))]
-    failed = [f"{c.name}: {c.detail}" for c in checks if c.kind == "integrity" and not c.ok]
+        checks = [Check("structure", "integrity", False, str(e))]
+    refuse_failed(checks, path, dest=dest)
+
+
+def refuse_failed(checks: list[Check], path: Path, *, dest: Path) -> None:
+    """Raise where a writer's own check of ``path`` (what it wrote, to replace ``dest``) failed.
+
+    Raises:
+        CheckpointWriteError: naming ``dest`` and what failed; nothing is published.
+    """
+    failed = [
+        f"{c.name}: {c.detail}".replace(str(path), str(dest)) for c in checks if c.kind == "integrity" and not c.ok
+    ]
     if failed:
         raise CheckpointWriteError(
             f"cannot write {dest}: what was written fails its own check ({'; '.join(failed)}), so it was not "

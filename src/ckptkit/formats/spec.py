@@ -212,7 +212,6 @@ class CheckpointFormat:
         module_name: the class of a whole pickled module the file holds (``""``: none).
         ties: the names a written file stores once (``"alias is target"``).
         producer: who wrote a checkpoint at this path, from its files alone, whichever reader runs.
-        written_by: for an output only torch writes, what writes it (``convert``'s report says so).
         owns: for a folder output its writer fills: which file names are its own, and what they
             are called; ``--force`` replaces a folder holding nothing else.
         unstacks_layers: ``open(path, unstack_layers=True)`` gives each layer of the tensors a
@@ -236,7 +235,6 @@ class CheckpointFormat:
     module_name: Callable[[str | os.PathLike[str]], str] | None = field(default=None, repr=False)
     ties: Callable[[Path], list[str]] | None = field(default=None, repr=False)
     producer: Callable[[Path], Producer | None] | None = field(default=None, repr=False)
-    written_by: str = ""
     owns: tuple[Callable[[str], bool], str] | None = field(default=None, repr=False)
     unstacks_layers: bool = False
 

@@ -156,8 +156,9 @@ def convert_checkpoint(
         progress: called as ``progress(bytes_done_now, bytes_total)`` while copying.
         max_shard_size: for a folder output, the shard size limit: bytes, or ``"5GB"``/``"500MB"``
             (decimal units, as huggingface_hub's; default ``"5GB"``).
-        format: ``"dcp"`` writes ``dst`` as a torch.distributed.checkpoint folder (through DCP's
-            own writer, after ckptkit's safe read of ``src``), which
+        format: ``"dcp"`` writes ``dst`` as a torch.distributed.checkpoint folder, as DCP's own
+            writer lays one out (one ``.distcp`` file and ``.metadata``), each tensor copied as
+            it is read (torch-free, any source sharding), which
             ``torch.distributed.checkpoint.load`` reads into a plain or an FSDP2 model; the
             folder appears complete or not at all. None: the format ``dst``'s suffix names.
         zero_weights: for a DeepSpeed ZeRO source: ``"fp32"`` (the master weights, as ``zero_to_fp32``)
@@ -319,7 +320,7 @@ def _convert(
     if workers > 1 and not folder:
         raise ArgumentError(
             f"{spell('workers', '--workers')} splits a folder of Hugging Face shards among processes, and {dst} is "
-            f"{'a DCP folder, written by torch' if format is not None else 'one file'}; end DST with / (or give "
+            f"{'a DCP folder' if format is not None else 'one file'}; end DST with / (or give "
             f"{spell('max_shard_size', '--max-shard-size')}) to write shards, or leave {spell('workers', '--workers')} out"
         )
     if folder and part is None:
@@ -432,7 +433,7 @@ def _convert(
 def _why_torch(in_fmt: CheckpointFormat, out_fmt: CheckpointFormat, trust: bool) -> str:
     """Why this convert goes through torch from the start ("": the torch-free copy is tried first)."""
     if out_fmt.write_entries is None:
-        return out_fmt.written_by or f"{out_fmt.name} output: written by torch"
+        return f"{out_fmt.name} output: written by torch"
     if trust and in_fmt.trust_matters:
         return "trusted file: loaded with torch"
     if in_fmt.open is None:

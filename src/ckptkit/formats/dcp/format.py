@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from ..spec import CheckpointFormat, View
+from ..entry import Entry, map_entries
+from ..spec import CheckpointFormat, View, WritePlan
 from .check import dcp_checks
 from .detect import DCP_METADATA, SIGNATURE, is_dcp_file
 from .stream import open_dcp
+from .write import write_dcp_entries
 
 
 def _open(path: Path, *, lazy: bool = False, unstack_layers: bool = False, **_: Any) -> View:
     return open_dcp(path, lazy=lazy, unstack_layers=unstack_layers)
+
+
+def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, plan: WritePlan) -> int:
+    """``obj`` as a DCP folder at ``target``, each tensor's bytes copied from ``view``; the folder
+    appears only once ``view`` found no damage."""
+    assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
+
+    def entry(v: Any, k: str) -> Any:
+        return view.entry(v, k) if view.is_leaf(v) else v
+
+    tree = map_entries(obj, entry, lambda v: isinstance(v, Entry) or view.is_leaf(v))
+    return write_dcp_entries(target, tree, source=view.name, progress=plan.progress, after=view.damage.raise_if_any)
 
 
 DCP_FORMAT = CheckpointFormat(
@@ -20,9 +34,9 @@ DCP_FORMAT = CheckpointFormat(
     package="ckptkit.formats.dcp",
     check=dcp_checks,
     open=_open,
-    folder=True,  # written by DCP's own writer (its torch half): no torch-free writer
+    write_entries=write_entries,
+    folder=True,
     owns=(is_dcp_file, "DCP files"),
     published_by=lambda name: name == DCP_METADATA,
-    written_by="DCP output: written by torch.distributed.checkpoint",
     unstacks_layers=True,  # megatron-core's torch_dist folders
 )

@@ -5,10 +5,13 @@ Reading. torch reads DCP's ``.metadata`` with plain ``pickle.load`` and non-tens
 in ``.metadata`` without running them and admits only DCP's own metadata classes (and what the
 caller allows), and loads non-tensor entries weights-only, unless the caller trusts the folder.
 
-Writing. DCP's own writer (``FileSystemWriter``, one process, no process group) writes into a temp
-folder beside the destination, which appears whole or not at all (:func:`ckptkit.io.atomicdir.atomic_folder`).
-The object comes from ckptkit's safe readers: nothing was unpickled that the caller did not admit
-(torch's ``format_utils.torch_to_dcp`` would ``torch.load`` the source with ``weights_only=False``).
+Writing. What torch read (a trusted source, a layout only torch reads) DCP's own writer
+(``FileSystemWriter``, one process, no process group) writes into a temp folder beside the
+destination, which passes ckptkit's DCP check and appears whole or not at all
+(:func:`ckptkit.io.atomicdir.atomic_folder`); everything else, the torch-free writer
+(:mod:`.write`). The object comes from ckptkit's safe readers: nothing was unpickled that the
+caller did not admit (torch's ``format_utils.torch_to_dcp`` would ``torch.load`` the source
+with ``weights_only=False``).
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from ...errors import cause as why
 from ...io.atomic import describe_error
 from ...io.atomicdir import atomic_folder
 from ...io.fileio import local_file
+from ..integrity import refuse_failed
 from ..pickles.safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
 from ..pickles.scan import pickle_globals
 from ..source import NeedsTorch
 from ..spec import Placement, WritePlan
 from . import DAMAGED, unsafe_metadata_globals
+from .check import dcp_checks
 from .keys import key_paths
 from .megatron import extra_state_key, layer_key, no_stacks, stacks
 from .meta import DCP_METADATA, BytesEntry, Chunk, DcpMetadata, Stored, TensorEntry, dims, unstored
@@ -263,7 +268,8 @@ def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:
     dest = Path(path)
     if not isinstance(obj, Mapping):
         raise ArgumentError(f"{dest}: a DCP folder holds a state dict (a mapping), not a {type(obj).__name__}")
-    with atomic_folder(dest) as tmp:  # replaces a folder there: the caller checked it may
+    check = lambda tmp: refuse_failed(dcp_checks(tmp, False, None), tmp, dest=dest)  # noqa: E731
+    with atomic_folder(dest, check=check) as tmp:  # replaces a folder there: the caller checked it may
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         recording = _RecordingFileSystem(writer.fs)
         writer.fs = recording  # type: ignore[assignment]  # duck-typed: the writer only calls its methods

@@ -32,19 +32,37 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         return None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if isinstance(obj, Global):
+        if isinstance(obj, (Global, Built)):
             memo = self.memo.get(id(obj))  # type: ignore[attr-defined]  # pure-Python pickler internals
             if memo is not None:
                 self.write(self.get(memo[0]))  # type: ignore[attr-defined]
                 return
+        if isinstance(obj, Global):
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # type: ignore[attr-defined]
             self.memoize(obj)  # type: ignore[attr-defined]
+            return
+        if isinstance(obj, Built):  # as pickle saves a dataclass: cls.__new__(cls), then its state
+            self.save(obj.cls)
+            self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)  # type: ignore[attr-defined]
+            self.memoize(obj)  # type: ignore[attr-defined]
+            if obj.state is not None:  # a dataclass without fields has none
+                self.save(obj.state)
+                self.write(pickle.BUILD)  # type: ignore[attr-defined]
             return
         super().save(obj, save_persistent_id)  # type: ignore[misc]
 
 
+class Built:
+    """An instance of the class ``cls`` stands for, pickled as pickle saves a dataclass
+    (``NEWOBJ``, then ``BUILD`` with ``state``): DCP's metadata records, written without torch."""
+
+    def __init__(self, cls: Global, state: Any) -> None:
+        self.cls, self.state = cls, state
+
+
 def dumps(obj: Any) -> tuple[bytes, list[str]]:
-    """Pickle stand-in containers the way torch does; also return the storage keys used."""
+    """Pickle stand-in containers the way torch does (protocol 2: ``GLOBAL``, ``REDUCE``, ``BUILD``,
+    which plain ``pickle.load`` also reads); also return the storage keys used."""
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(obj)
@@ -54,7 +72,7 @@ def dumps(obj: Any) -> tuple[bytes, list[str]]:
 _GLOBALS: dict[tuple[str, str], Global] = {}
 
 
-def _global(module: str, name: str) -> Global:
+def global_(module: str, name: str) -> Global:
     """One stand-in a name, so a pickle written from new tensors memoizes each global once."""
     return _GLOBALS.setdefault((module, name), Global(module, name))
 
@@ -72,10 +90,10 @@ def new_tensor(key: str, dtype: str, shape: tuple[int, ...]) -> TensorRef:
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     hooks: OrderedDict[str, Any] = OrderedDict()
     if d.storage is not None:
-        storage = StorageRef(("storage", _global("torch", d.storage), key, "cpu", numel))
-        return TensorRef(_global("torch._utils", "_rebuild_tensor_v2"), (storage, 0, shape, stride, False, hooks))
-    storage = StorageRef(("storage", _global("torch.storage", "UntypedStorage"), key, "cpu", numel * d.itemsize))
+        storage = StorageRef(("storage", global_("torch", d.storage), key, "cpu", numel))
+        return TensorRef(global_("torch._utils", "_rebuild_tensor_v2"), (storage, 0, shape, stride, False, hooks))
+    storage = StorageRef(("storage", global_("torch.storage", "UntypedStorage"), key, "cpu", numel * d.itemsize))
     return TensorRef(
-        _global("torch._utils", "_rebuild_tensor_v3"),
-        (storage, 0, shape, stride, False, hooks, _global("torch", d.name)),
+        global_("torch._utils", "_rebuild_tensor_v3"),
+        (storage, 0, shape, stride, False, hooks, global_("torch", d.name)),
     )

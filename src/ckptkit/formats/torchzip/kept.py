@@ -100,3 +100,19 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         elif end > start:
             out.append((start, end))
     return out
+
+
+class ArchivesKept:
+    """What a check reads of a file of torch zips one after another (a DCP ``.distcp``): each
+    zip's bytes as :class:`RecordsKept` keeps them; the writer calls :meth:`begin` at the offset
+    where each zip starts."""
+
+    def __init__(self) -> None:
+        self.archive = RecordsKept()
+
+    def begin(self, offset: int) -> None:
+        self.archive = RecordsKept()
+        self.archive.at = offset
+
+    def feed(self, offset: int, data: bytes | memoryview) -> list[tuple[int, int]]:
+        return self.archive.feed(offset, data)

@@ -70,6 +70,9 @@ class ZipWriter:
     def __init__(self, f: BinaryIO, *, alignment: int = 64) -> None:
         self.f = f
         self.alignment = alignment
+        # Offsets are the archive's own, from where it begins in ``f``: a DCP file holds one archive
+        # after another, each read by torch.load as a file of its own.
+        self.base = f.tell()
         self.entries: list[tuple[bytes, int, int, int, int, int]] = []  # name, crc, csize, size, method, offset
         try:  # a header's CRC-32 is patched in place after its bytes, through the file's descriptor
             f.fileno()
@@ -79,7 +82,7 @@ class ZipWriter:
 
     def _header(self, name: bytes, crc: int, csize: int, size: int, method: int) -> None:
         """The local header of a record whose bytes follow."""
-        offset = self.f.tell()
+        offset = self.f.tell() - self.base
         zip64 = csize >= ZIP64_AT or size >= ZIP64_AT
         extra = struct.pack("<HHQQ", 1, 16, size, csize) if zip64 else b""
         # "FB" extra field padding so the data starts on an alignment boundary, as torch does.
@@ -130,7 +133,7 @@ class ZipWriter:
                 "found (changed while copied); nothing was written"
             )
         if got != crc:  # a write into a header already written back costs the disk a second write
-            os.pwrite(self.f.fileno(), struct.pack("<I", got), offset + 14)  # the local header's CRC-32 field
+            os.pwrite(self.f.fileno(), struct.pack("<I", got), self.base + offset + 14)  # the local header's CRC-32
         return got
 
     def start_torch_archive(self, pickled: bytes, prefix: str = "archive/", *, byteorder: str = "little") -> str:
@@ -169,7 +172,7 @@ class ZipWriter:
 
     def close(self) -> None:
         self.f.flush()
-        start = self.f.tell()
+        start = self.f.tell() - self.base
         for name, crc, csize, size, method, offset in self.entries:
             big = [v for v in (size, csize, offset) if v >= ZIP64_AT]
             extra = struct.pack("<HH", 1, 8 * len(big)) + b"".join(struct.pack("<Q", v) for v in big) if big else b""
@@ -195,7 +198,7 @@ class ZipWriter:
                 )
             )
             self.f.write(name + extra)
-        end = self.f.tell()
+        end = self.f.tell() - self.base
         count, cd_size = len(self.entries), end - start
         if count >= 0xFFFF or start >= ZIP64_AT or cd_size >= ZIP64_AT:
             self.f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start))
