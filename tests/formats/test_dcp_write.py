@@ -293,10 +293,11 @@ def test_dcp_output_is_what_torchs_own_writer_writes(
 @pytest.mark.parametrize(
     ("state", "message"),
     [
-        ({"model": {"w": torch.ones(1)}, "groups": [{"lr": 0.1}, {}]}, r"groups\.1 is an empty dict inside a list"),
+        ({"model": {"w": torch.ones(1)}, "groups": [{"lr": 0.1}, {}]}, r"groups\.1 is an empty dict"),
+        ({"model": {"w": torch.ones(1)}, "a": [{"_": {}}, torch.ones(1)]}, r"a\.0 is an empty dict \(or holds only"),
         ({"model": {"w": torch.ones(1)}, "state": {0: torch.ones(1), "0": 2}}, r"'state\.0' names two values"),
     ],
-    ids=["empty_dict_in_a_list", "two_paths_one_key"],
+    ids=["empty_dict_in_a_list", "only_empty_dicts_in_a_list", "two_paths_one_key"],
 )
 def test_what_torchs_reader_could_not_load_is_refused_before_anything_is_written(
     tmp_path: Path, state: dict[str, Any], message: str

@@ -47,8 +47,8 @@ def flatten(state: Mapping[Any, Any], *, source: str) -> dict[str, tuple[KeyPath
     other value is one item. Keys are the path's parts joined by dots.
 
     Raises:
-        ArgumentError: two paths give one key, or an empty mapping sits in a list (torch's save
-            leaves a gap there that its own reader cannot load).
+        ArgumentError: two paths give one key, or a list holds a mapping with no item in it
+            (torch's save leaves a gap there that its own reader cannot load, or drops it at the end).
 
     Example:
         >>> flatten({"opt": {"groups": [{"lr": 0.1}]}, "step": 3}, source="x")
@@ -77,13 +77,14 @@ def flatten(state: Mapping[Any, Any], *, source: str) -> dict[str, tuple[KeyPath
             items[key] = (path, value)
         else:
             for i, v in enumerate(value):
-                if isinstance(v, Mapping) and not v:
+                before = len(items)
+                walk((*path, i), v)
+                if len(items) == before:  # torch's save leaves a gap its reader cannot load, or drops the end
                     where = ".".join(map(str, (*path, i)))
                     raise ArgumentError(
-                        f"{source}: {where} is an empty dict inside a list, which torch's DCP reader cannot load; "
-                        "write a torch file (DST ending in .pt), or leave it out"
+                        f"{source}: {where} is an empty dict (or holds only empty ones) inside a list, which a DCP "
+                        "folder cannot hold; write a torch file (DST ending in .pt), or leave it out"
                     )
-                walk((*path, i), v)
 
     for k, v in state.items():
         walk((str(k),), v)
