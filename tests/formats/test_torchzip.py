@@ -508,3 +508,16 @@ def test_an_empty_tensor_is_copied_without_torch_whatever_its_strides(tmp_path: 
     assert report.fast and not report.fallback_reason
     got = load_file(tmp_path / "out.safetensors")
     assert got["w"].shape == shape and torch.equal(got["b"], torch.ones(2))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_an_empty_tensor_whose_offset_is_past_its_storage_converts_as_torch_loads_it(
+    tmp_path: Path, suffix: str
+) -> None:
+    # Found in review: the reader held an empty view to bounds verify and torch do not (no element
+    # is read), so the convert failed where torch loads the file
+    empty = torch.zeros(4, 0).chunk(2)[1]  # shape (2, 0) at storage offset 2 of a 0-byte storage
+    torch.save({"w": torch.ones(2), "e": empty}, tmp_path / "src.pt")
+    ckptkit.convert_checkpoint(tmp_path / "src.pt", tmp_path / f"out{suffix}", dtype="bf16")
+    got = ckptkit.read_checkpoint(tmp_path / f"out{suffix}")
+    assert got["e"].shape == (2, 0) and torch.equal(got["w"], torch.ones(2, dtype=torch.bfloat16))
