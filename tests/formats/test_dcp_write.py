@@ -295,9 +295,26 @@ def test_dcp_output_is_what_torchs_own_writer_writes(
     [
         ({"model": {"w": torch.ones(1)}, "groups": [{"lr": 0.1}, {}]}, r"groups\.1 is an empty dict"),
         ({"model": {"w": torch.ones(1)}, "a": [{"_": {}}, torch.ones(1)]}, r"a\.0 is an empty dict \(or holds only"),
-        ({"model": {"w": torch.ones(1)}, "state": {0: torch.ones(1), "0": 2}}, r"'state\.0' names two values"),
+        (
+            {"model": {"w": torch.ones(1)}, "state": {0: torch.ones(1), "0": 2}},
+            r"'state\.0' names two values in a DCP folder, whose keys are strings \(\['state'\]\[0\] and \['state'\]\['0'\]\)",
+        ),
+        (  # found in review: written whole, then refused by the folder's check as a ckptkit bug
+            {"model": {"w": torch.ones(1)}, "opt": {1: {"b": torch.ones(1)}, "1": None}},
+            r"'opt\.1' is a value and also holds 'opt\.1\.b'",
+        ),
+        (  # found in review: a dict holding only an empty one, inside a list
+            {"model": {"w": torch.ones(1)}, "groups": [{"extra": {}}, {"lr": 0.1}]},
+            r"groups\.0 is an empty dict \(or holds only",
+        ),
     ],
-    ids=["empty_dict_in_a_list", "only_empty_dicts_in_a_list", "two_paths_one_key"],
+    ids=[
+        "empty_dict_in_a_list",
+        "only_empty_dicts_in_a_list",
+        "two_paths_one_key",
+        "a_value_above_a_key",
+        "a_dict_of_empty",
+    ],
 )
 def test_what_torchs_reader_could_not_load_is_refused_before_anything_is_written(
     tmp_path: Path, state: dict[str, Any], message: str
@@ -331,3 +348,22 @@ def test_a_folder_that_fails_its_own_check_is_not_published(
     with pytest.raises(CheckpointWriteError, match="fails its own check.*out.dcp is as it was"):
         ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", tmp_path / "out.dcp", format="dcp")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_folders_check_reads_a_values_pickle_not_the_tensors_inside_it(tmp_path: Path) -> None:
+    # Found in review: the check before publishing read each non-tensor item whole, so a tuple
+    # holding a big tensor (an item of its own, as dcp.save stores a tuple) passed through memory
+    import tracemalloc
+
+    from ckptkit.formats.dcp.check import dcp_checks
+
+    torch.save({"model": {"w": torch.ones(2)}, "ema": (torch.randn(8 << 20), 3)}, tmp_path / "src.pt")
+    ckptkit.convert_checkpoint(tmp_path / "src.pt", tmp_path / "out.dcp", format="dcp", to="keep")
+    tracemalloc.start()
+    try:
+        checks = dcp_checks(tmp_path / "out.dcp", False, None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert all(c.ok for c in checks), checks
+    assert peak < 4 << 20, peak  # the tuple's item holds 32 MiB of tensor bytes

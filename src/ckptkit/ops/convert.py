@@ -158,7 +158,8 @@ def convert_checkpoint(
             (decimal units, as huggingface_hub's; default ``"5GB"``).
         format: ``"dcp"`` writes ``dst`` as a torch.distributed.checkpoint folder, as DCP's own
             writer lays one out (one ``.distcp`` file and ``.metadata``), each tensor copied as
-            it is read (torch-free, any source sharding), which
+            it is read (torch-free, any DCP source sharding; DCP's own writer where the source
+            needed torch), which
             ``torch.distributed.checkpoint.load`` reads into a plain or an FSDP2 model; the
             folder appears complete or not at all. None: the format ``dst``'s suffix names.
         zero_weights: for a DeepSpeed ZeRO source: ``"fp32"`` (the master weights, as ``zero_to_fp32``)

@@ -47,14 +47,16 @@ def flatten(state: Mapping[Any, Any], *, source: str) -> dict[str, tuple[KeyPath
     other value is one item. Keys are the path's parts joined by dots.
 
     Raises:
-        ArgumentError: two paths give one key, or a list holds a mapping with no item in it
-            (torch's save leaves a gap there that its own reader cannot load, or drops it at the end).
+        ArgumentError: two paths give one key (``0`` and ``"0"``), a key's value stands where
+            another key's path goes on, or a list holds a mapping with no item in it (torch's save
+            leaves a gap there that its own reader cannot load, or drops it at the end).
 
     Example:
         >>> flatten({"opt": {"groups": [{"lr": 0.1}]}, "step": 3}, source="x")
         {'opt.groups.0.lr': (('opt', 'groups', 0, 'lr'), 0.1), 'step': (('step',), 3)}
     """
     items: dict[str, tuple[KeyPath, Any]] = {}
+    given: dict[str, tuple[Any, ...]] = {}  # each key's path as the state spells it (for messages)
 
     def terminal(value: Any) -> bool:
         if isinstance(value, Mapping):
@@ -63,22 +65,19 @@ def flatten(state: Mapping[Any, Any], *, source: str) -> dict[str, tuple[KeyPath
             return True
         return not any(isinstance(v, Entry) or (isinstance(v, (Mapping, list)) and not terminal(v)) for v in value)
 
-    def walk(path: KeyPath, value: Any) -> None:
+    def walk(path: KeyPath, raw: tuple[Any, ...], value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
-                walk((*path, str(k)), v)
+                walk((*path, str(k)), (*raw, k), v)
         elif terminal(value):
             key = ".".join(map(str, path))
             if key in items:
-                raise ArgumentError(
-                    f"{source}: {key!r} names two values in a DCP folder ({items[key][0]!r} and {path!r}); "
-                    "rename one of them, or write a torch file (DST ending in .pt)"
-                )
-            items[key] = (path, value)
+                _refuse(source, f"{key!r} names two values", given[key], raw)
+            items[key], given[key] = (path, value), raw
         else:
             for i, v in enumerate(value):
                 before = len(items)
-                walk((*path, i), v)
+                walk((*path, i), (*raw, i), v)
                 if len(items) == before:  # torch's save leaves a gap its reader cannot load, or drops the end
                     where = ".".join(map(str, (*path, i)))
                     raise ArgumentError(
@@ -87,8 +86,26 @@ def flatten(state: Mapping[Any, Any], *, source: str) -> dict[str, tuple[KeyPath
                     )
 
     for k, v in state.items():
-        walk((str(k),), v)
+        walk((str(k),), (k,), v)
+    leaves = {tuple(map(str, path)): key for key, (path, _) in items.items()}
+    for key, (path, _) in items.items():  # a value where another key's path goes on below it
+        parts = tuple(map(str, path))
+        for n in range(1, len(parts)):
+            if parts[:n] in leaves:
+                above = leaves[parts[:n]]
+                _refuse(source, f"{above!r} is a value and also holds {key!r}", given[above], given[key])
     return items
+
+
+def _refuse(source: str, what: str, one: tuple[Any, ...], other: tuple[Any, ...]) -> None:
+    raise ArgumentError(
+        f"{source}: {what} in a DCP folder, whose keys are strings ({_spelled(one)} and {_spelled(other)}); "
+        "write a torch file (DST ending in .pt), which keeps both"
+    )
+
+
+def _spelled(raw: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in raw)
 
 
 def write_dcp_entries(
