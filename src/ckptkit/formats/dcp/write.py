@@ -178,8 +178,10 @@ def metadata_bytes(items: dict[str, tuple[KeyPath, Any]], stored: dict[str, tupl
     where: dict[Any, Any] = {}
     for key, (_, value) in items.items():
         offset, length = stored[key]
-        info = {"relative_path": DATA_FILE, "offset": offset, "length": length, "transform_descriptors": None}
+        info = {"relative_path": DATA_FILE, "offset": offset, "length": length}  # torch leaves out None fields
         if isinstance(value, Entry):
+            # Five values: torch 2.6's reader unpacks exactly five; later ones also take a sixth,
+            # the saved tensor's strides, which no load reads (a new tensor is contiguous anyway).
             props = (global_("torch", value.dtype), layout, False, contiguous, False)
             origin = shape(tuple(0 for _ in value.shape))
             chunk = Built(global_(_META, "ChunkStorageMetadata"), {"offsets": origin, "sizes": shape(value.shape)})
