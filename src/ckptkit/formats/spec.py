@@ -36,10 +36,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from .detect import Signature
+from .entry import Entry, map_entries
 
 if TYPE_CHECKING:
     from ..io.fileio import Progress
-    from .entry import Entry
     from .integrity import Check, Damage
     from .producers import Producer
 
@@ -168,6 +168,15 @@ class EntryView:
 def entries_of(view: View, state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` with each of ``view``'s tensors as the entry a writer copies."""
     return {k: view.entry(v, k) if view.is_leaf(v) else v for k, v in state.items()}
+
+
+def entry_tree(view: View, obj: Any) -> Any:
+    """``obj``, a whole tree, with each of ``view``'s tensors (at any depth) as the entry a writer copies."""
+
+    def entry(v: Any, k: str) -> Any:
+        return view.entry(v, k) if view.is_leaf(v) else v
+
+    return map_entries(obj, entry, lambda v: isinstance(v, Entry) or view.is_leaf(v))
 
 
 class Placement(Protocol):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ...errors import PARSE_ERRORS, CheckpointFormatError, CkptkitError, summarize
 from ...io.fileio import Progress, open_regular
-from ..integrity import Check
+from ..integrity import Check, refuse_failed
 from ..pickles.reader import UnsupportedGlobal
 from ..pickles.safety import filter_unsafe, needs_text
 from ..pickles.scan import pickle_globals
@@ -51,6 +51,16 @@ def dcp_checks(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     finally:
         src.close()
     return checks
+
+
+def check_written_dcp(path: Path, *, dest: Path) -> None:
+    """A DCP writer's check of the folder it wrote at ``path``, before it replaces ``dest``
+    (:func:`~..integrity.check_written`'s, for a folder only this package reads).
+
+    Raises:
+        CheckpointWriteError: naming ``dest`` and what failed; nothing is published.
+    """
+    refuse_failed(dcp_checks(path, False, None), path, dest=dest)
 
 
 def _torch_checks(p: Path) -> list[Check]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..entry import Entry, map_entries
-from ..spec import CheckpointFormat, View, WritePlan
+from ..spec import CheckpointFormat, View, WritePlan, entry_tree
 from .check import dcp_checks
 from .detect import DCP_METADATA, SIGNATURE, is_dcp_file
 from .stream import open_dcp
@@ -17,16 +16,13 @@ def _open(path: Path, *, lazy: bool = False, unstack_layers: bool = False, **_: 
     return open_dcp(path, lazy=lazy, unstack_layers=unstack_layers)
 
 
-def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, plan: WritePlan) -> int:
+def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, plan: WritePlan) -> None:
     """``obj`` as a DCP folder at ``target``, each tensor's bytes copied from ``view``; the folder
     appears only once ``view`` found no damage."""
     assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
-
-    def entry(v: Any, k: str) -> Any:
-        return view.entry(v, k) if view.is_leaf(v) else v
-
-    tree = map_entries(obj, entry, lambda v: isinstance(v, Entry) or view.is_leaf(v))
-    return write_dcp_entries(target, tree, source=view.name, progress=plan.progress, after=view.damage.raise_if_any)
+    write_dcp_entries(
+        target, entry_tree(view, obj), source=view.name, progress=plan.progress, after=view.damage.raise_if_any
+    )
 
 
 DCP_FORMAT = CheckpointFormat(

@@ -43,13 +43,12 @@ from ...errors import cause as why
 from ...io.atomic import describe_error
 from ...io.atomicdir import atomic_folder
 from ...io.fileio import local_file
-from ..integrity import refuse_failed
 from ..pickles.safety import AllowGlobals, filter_unsafe, global_name, resolve_globals, unsafe_error
 from ..pickles.scan import pickle_globals
 from ..source import NeedsTorch
 from ..spec import Placement, WritePlan
 from . import DAMAGED, unsafe_metadata_globals
-from .check import dcp_checks
+from .check import check_written_dcp
 from .keys import key_paths
 from .megatron import extra_state_key, layer_key, no_stacks, stacks
 from .meta import DCP_METADATA, BytesEntry, Chunk, DcpMetadata, Stored, TensorEntry, dims, unstored
@@ -268,8 +267,9 @@ def write_dcp(obj: Any, path: str | os.PathLike[str]) -> int:
     dest = Path(path)
     if not isinstance(obj, Mapping):
         raise ArgumentError(f"{dest}: a DCP folder holds a state dict (a mapping), not a {type(obj).__name__}")
-    check = lambda tmp: refuse_failed(dcp_checks(tmp, False, None), tmp, dest=dest)  # noqa: E731
-    with atomic_folder(dest, check=check) as tmp:  # replaces a folder there: the caller checked it may
+    with atomic_folder(
+        dest, check=lambda tmp: check_written_dcp(tmp, dest=dest)
+    ) as tmp:  # replaces a folder there: the caller checked it may
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         recording = _RecordingFileSystem(writer.fs)
         writer.fs = recording  # type: ignore[assignment]  # duck-typed: the writer only calls its methods

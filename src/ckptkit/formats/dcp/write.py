@@ -24,12 +24,11 @@ from ...io.atomic import streamed_file
 from ...io.atomicdir import atomic_folder
 from ...io.fileio import Progress
 from ..entry import Entry
-from ..integrity import refuse_failed
 from ..pickles.dump import Built, dumps, global_
 from ..pickles.reader import Call
-from ..torchzip.kept import ArchivesKept
+from ..torchzip.kept import RecordsKept
 from ..torchzip.writer import write_torch_zip
-from .check import dcp_checks
+from .check import check_written_dcp
 from .detect import DCP_METADATA
 
 DATA_FILE = "__0_0.distcp"  # FileSystemWriter's one file of rank 0
@@ -115,9 +114,8 @@ def write_dcp_entries(
     source: str,
     progress: Progress | None = None,
     after: Callable[[], object] = lambda: None,
-) -> int:
-    """Write ``state`` (a mapping whose tensors are entries) as a DCP folder at ``dest``; returns
-    the bytes the folder holds. ``after()`` runs once every item is written, before anything is
+) -> None:
+    """Write ``state`` (a mapping whose tensors are entries) as a DCP folder at ``dest``. ``after()`` runs once every item is written, before anything is
     published (a source's damage check). A folder standing for a store's prefix streams its
     ``.distcp`` there, ``.metadata`` uploaded last, once the folder passes its check.
 
@@ -127,9 +125,9 @@ def write_dcp_entries(
     if not isinstance(state, Mapping):
         raise ArgumentError(f"{dest}: a DCP folder holds a state dict (a mapping), not a {type(state).__name__}")
     items = flatten(state, source=source)
-    with atomic_folder(dest, check=lambda tmp: refuse_failed(dcp_checks(tmp, False, None), tmp, dest=dest)) as tmp:
+    with atomic_folder(dest, check=lambda tmp: check_written_dcp(tmp, dest=dest)) as tmp:
         data = tmp / DATA_FILE
-        archives = ArchivesKept()
+        archives = RecordsKept()  # begun again at each item's zip
         streamed = streamed_file(data, kept=lambda: archives)
         with streamed if streamed is not None else open(data, "xb") as f:
             stored = _write_items(f, items, archives, progress)
@@ -141,11 +139,10 @@ def write_dcp_entries(
             f.write(metadata_bytes(items, stored))
             f.flush()
             os.fsync(f.fileno())
-        return sum(length for _, length in stored.values()) + (tmp / DCP_METADATA).stat().st_size
 
 
 def _write_items(
-    f: BinaryIO, items: dict[str, tuple[KeyPath, Any]], archives: ArchivesKept, progress: Progress | None
+    f: BinaryIO, items: dict[str, tuple[KeyPath, Any]], archives: RecordsKept, progress: Progress | None
 ) -> dict[str, tuple[int, int]]:
     """Each item as ``torch.save`` writes it alone, one after another; key -> (offset, length)."""
     stored: dict[str, tuple[int, int]] = {}

@@ -9,9 +9,8 @@ from typing import Any, BinaryIO
 
 from ...errors import CkptkitError
 from ..deepspeed.files import refuse_rank_file
-from ..entry import Entry, map_entries
 from ..source import open_source
-from ..spec import CheckpointFormat, View, WritePlan
+from ..spec import CheckpointFormat, View, WritePlan, entry_tree
 from . import modulepickle as mp
 from .check import legacy_check, zip_check
 from .container import TorchZip
@@ -42,12 +41,7 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
         records, prefix, byteorder = zipped
         write_torch_zip(target, obj, records=records, prefix=prefix, byteorder=byteorder, progress=plan.progress)
         return
-
-    def entry(v: Any, k: str) -> Any:
-        return view.entry(v, k) if view.is_leaf(v) else v
-
-    tree = map_entries(obj, entry, lambda v: isinstance(v, Entry) or view.is_leaf(v))
-    write_torch_zip(target, tree, progress=plan.progress)
+    write_torch_zip(target, entry_tree(view, obj), progress=plan.progress)
 
 
 TORCH_ZIP = CheckpointFormat(

@@ -26,7 +26,12 @@ class RecordsKept:
     storages, and all from the central directory on (see the module)."""
 
     def __init__(self) -> None:
-        self.at = 0  # where the next appended byte goes
+        self.begin(0)
+
+    def begin(self, offset: int) -> None:
+        """A zip starts at ``offset`` (a file of torch zips one after another, as a DCP ``.distcp``
+        is, begins each): its bytes are kept as the first one's were."""
+        self.at = offset  # where the next appended byte goes
         self.header = bytearray()  # the local header being gathered
         self.payload_end = 0  # the end of the record whose bytes are passing
         self.keep_payload = True
@@ -100,19 +105,3 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         elif end > start:
             out.append((start, end))
     return out
-
-
-class ArchivesKept:
-    """What a check reads of a file of torch zips one after another (a DCP ``.distcp``): each
-    zip's bytes as :class:`RecordsKept` keeps them; the writer calls :meth:`begin` at the offset
-    where each zip starts."""
-
-    def __init__(self) -> None:
-        self.archive = RecordsKept()
-
-    def begin(self, offset: int) -> None:
-        self.archive = RecordsKept()
-        self.archive.at = offset
-
-    def feed(self, offset: int, data: bytes | memoryview) -> list[tuple[int, int]]:
-        return self.archive.feed(offset, data)
