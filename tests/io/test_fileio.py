@@ -3,11 +3,14 @@ is refused, saying what is there, without blocking on it."""
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptkit.errors import CheckpointFormatError, CheckpointNotFoundError
 from ckptkit.io.fileio import open_regular, require_regular
@@ -109,3 +112,51 @@ def test_a_fill_that_fails_leaves_the_path_read_elsewhere(tmp_path: Path) -> Non
             fileio.local_file(path)
         with open_regular(path) as f:
             assert f.read() == b"the object"
+
+
+@given(
+    data=st.binary(max_size=300),
+    cuts=st.lists(st.integers(0, 64), max_size=12),
+    offset=st.integers(0, 320),
+    iov=st.sampled_from([1, 3, 1024]),
+    local=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_pread_into_fills_buffers_in_turn_as_a_slice_of_the_file(
+    tmp_path_factory: pytest.TempPathFactory, data: bytes, cuts: list[int], offset: int, iov: int, local: bool
+) -> None:
+    """Any split of the buffers, preadv's batch cut anywhere, the file's end anywhere among them:
+    the buffers hold the file's bytes from ``offset`` in turn, as many as it has."""
+    from ckptkit.io import fileio
+
+    path = tmp_path_factory.mktemp("pread") / "f"
+    path.write_bytes(data)
+    out = bytearray(sum(cuts))
+    whole = memoryview(out)
+    views, at = [], 0
+    for n in cuts:
+        views.append(whole[at : at + n])
+        at += n
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fileio, "_IOV_MAX", iov)
+        with open(path, "rb") if local else io.BytesIO(data) as f:  # a BytesIO: no descriptor, as a store's object
+            got = fileio.pread_into(f, views, offset)  # type: ignore[arg-type]
+    want = data[offset : offset + len(out)]
+    assert got == len(want) and bytes(out[:got]) == want and not any(out[got:])
+
+
+def test_write_checked_starts_the_writeback_of_exactly_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.io import fileio
+
+    started: list[tuple[int, int]] = []
+    monkeypatch.setattr(fileio, "start_writeback", lambda fd, at, n: started.append((at, n)))
+    monkeypatch.setattr(fileio, "_CHECKED_STEP", 300 << 10)
+    big = os.urandom(700 << 10)
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"head")  # still in the writer's buffer: counted by tell()
+        fileio.write_checked(f, b"small")  # left to the closing fsync
+        fileio.write_checked(f, big)
+    assert started == [(9, 300 << 10), (9 + (300 << 10), 300 << 10), (9 + (600 << 10), 100 << 10)]
+    assert (tmp_path / "f").read_bytes() == b"headsmall" + big

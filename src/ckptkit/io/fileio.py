@@ -31,6 +31,9 @@ except ImportError:  # a platform without an isal wheel: zlib's, several times s
 _CHUNK = 64 << 20  # a plain copy's step, and how much is copied between writeback starts
 _CHECKED_STEP = 32 << 20  # a checked copy's step: the copy and its CRC read the same bytes at once
 _PYTHON_STEP = 8 << 20  # a copy to a sink without a descriptor (a cast, a stream to a store): held in memory
+# Smaller writes are left to the closing fsync: the kernel would start writing them back alone,
+# and a syscall each (a file of many small tensors) costs more than their head start saves.
+_WRITEBACK_FROM = 256 << 10
 _MAPPED_FROM = 2 << 20  # shorter ranges are CRC'd from a read: a mapping and a thread cost more than they save
 Progress = Callable[[int], None]
 T = TypeVar("T")
@@ -104,10 +107,10 @@ def local_file(path: str | os.PathLike[str]) -> str:
 
 
 def _descriptor(f: BinaryIO) -> int:
-    """``f``'s file descriptor; -1 for an object in a store (:mod:`.ranged`), which has none."""
+    """``f``'s file descriptor; -1 for an object in a store (:mod:`.ranged`) or a sink that is no file."""
     try:
         return f.fileno()
-    except io.UnsupportedOperation:
+    except (io.UnsupportedOperation, AttributeError):  # AttributeError: a sink that is no file (a cast)
         return -1
 
 
@@ -133,6 +136,61 @@ def pread(f: BinaryIO, length: int, offset: int) -> bytes:
     data = f.read(length)
     f.seek(pos)
     return data
+
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16  # buffers per preadv
+
+
+def pread_into(f: BinaryIO, buffers: list[memoryview], offset: int) -> int:
+    """Fill ``buffers`` in turn with the bytes of the open file ``f`` from ``offset``; returns how
+    many bytes were read (fewer only at its end). A local file is read by ``preadv`` straight into
+    them (a band's rows from a chunk's: no copy between); an object in a store is read whole,
+    then copied in.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(b"abcdef")
+        ...     f.flush()
+        ...     out = bytearray(4)
+        ...     pread_into(f, [memoryview(out)[2:], memoryview(out)[:2]], 1), bytes(out)
+        (4, b'debc')
+    """
+    fd = _descriptor(f)
+    done = 0
+    if fd >= 0 and hasattr(os, "preadv"):
+        for at in range(0, len(buffers), _IOV_MAX):
+            batch = buffers[at : at + _IOV_MAX]
+            want = sum(len(b) for b in batch)
+            got = os.preadv(fd, batch, offset + done)
+            done += got
+            if got < want:  # its end, or a short read: the rest one by one, as pread reads them
+                return done + _copy_into(f, _after(buffers[at:], got), offset + done)
+        return done
+    return _copy_into(f, buffers, offset)
+
+
+def _after(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """What of ``buffers`` is left once ``n`` bytes have filled them."""
+    for i, b in enumerate(buffers):
+        if n < len(b):
+            return [b[n:], *buffers[i + 1 :]]
+        n -= len(b)
+    return []
+
+
+def _copy_into(f: BinaryIO, buffers: list[memoryview], offset: int) -> int:
+    done = 0
+    for b in buffers:
+        filled = 0
+        while filled < len(b):
+            data = pread(f, len(b) - filled, offset + done)
+            if not data:  # its end
+                return done
+            b[filled : filled + len(data)] = data
+            filled += len(data)
+            done += len(data)
+    return done
 
 
 def open_regular(path: str | os.PathLike[str], *, folder: str | os.PathLike[str] | None = None) -> BinaryIO:
@@ -436,6 +494,8 @@ def _mapped(fd: int, offset: int, length: int, *, populate: bool = False) -> Ite
 def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None) -> int:
     """Write ``buf`` (any buffer) to ``dst``; returns its CRC-32, computed on the CRC thread
     while each step is written, so a save pays for the write, not for the write and the CRC.
+    A file's writeback of a buffer of :data:`_WRITEBACK_FROM` bytes or more starts as soon as it
+    is written (:func:`.kcopy.start_writeback`), as :func:`copy_range`'s does.
 
     Example:
         >>> import io
@@ -444,6 +504,8 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None) -> 
     """
     value = 0
     with memoryview(buf) as whole, whole.cast("B") as data:
+        out = _descriptor(dst) if len(data) >= _WRITEBACK_FROM else -1
+        start = dst.tell() if out >= 0 else 0
         for at in range(0, len(data), _CHECKED_STEP):
             with data[at : at + _CHECKED_STEP] as part:
                 crc = in_background(_crc32, part, value)
@@ -451,6 +513,8 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None) -> 
                     dst.write(part)
                 finally:
                     value = crc()  # the thread reads the buffer: it must finish before the view goes
+                if out >= 0:
+                    start_writeback(out, start + at, len(part))
                 if progress is not None:
                     progress(len(part))
     return value

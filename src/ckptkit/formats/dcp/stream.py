@@ -20,11 +20,20 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, NoReturn
 
 from ...errors import CheckpointFormatError, CheckpointNotFoundError, summarize
 from ...io.crcmath import crc32_combine
-from ...io.fileio import Progress, copy_range, crc32, crc_of_range, file_size, open_regular, pread, write_checked
+from ...io.fileio import (
+    Progress,
+    copy_range,
+    crc32,
+    crc_of_range,
+    file_size,
+    open_regular,
+    pread_into,
+    write_checked,
+)
 from ..dtypes import BY_NAME
 from ..entry import Entry
 from ..integrity import Check, Damage
@@ -206,13 +215,12 @@ class DcpSource(EntryView):
             step = BAND // row_bytes
             for r in range(0, g.rows, step):
                 n = min(step, g.rows - r)
-                reads = []
+                band, col = bytearray(n * row_bytes), 0
                 for k, start, width in parts:
                     p = pieces[k]
-                    data = _read_at(self.files[p.file], p.offset + start + r * width, n * width, p.where)
-                    chunk_crcs[k] = crc32_combine(chunk_crcs[k], crc32(data), n * width)
-                    reads.append((data, width))
-                band = _assembled(reads, n, row_bytes)
+                    got = _place(self.files[p.file], p.offset + start + r * width, p.where, band, n, col, width)
+                    chunk_crcs[k] = crc32_combine(chunk_crcs[k], got, n * width)
+                    col += width
                 crc = crc32_combine(crc, write_checked(dst, band, progress), n * row_bytes)
         for p, got in zip(pieces, chunk_crcs, strict=True):
             self.damage.check((t.fqn, p), p.crc, got)
@@ -222,35 +230,39 @@ class DcpSource(EntryView):
 BAND = 1 << 20  # bytes of an interleaved tensor assembled at once: memory holds this, never a tensor
 
 
-def _assembled(reads: list[tuple[bytes, int]], rows: int, row_bytes: int) -> bytes | bytearray:
-    """A band of ``rows`` rows from each chunk's read (its rows of ``width`` bytes), side by side.
-    Where every stretch is at least as wide as there are rows, their slices are joined (at most
-    about ``sqrt(BAND)`` per chunk); else each chunk is placed byte column by byte column with
-    strided copies in C, so a band of narrow rows holds no object per row."""
-    if all(rows <= width for _, width in reads):
-        views = [(memoryview(data), width) for data, width in reads]
-        return b"".join([v[i * w : (i + 1) * w] for i in range(rows) for v, w in views])
-    band, col = bytearray(rows * row_bytes), 0
-    for data, width in reads:
-        if rows <= width:
-            view = memoryview(data)
-            for i in range(rows):
-                band[i * row_bytes + col : i * row_bytes + col + width] = view[i * width : (i + 1) * width]
-        else:
-            for j in range(width):
-                band[col + j :: row_bytes] = data[j::width]
-        col += width
-    return band
+def _place(f: BinaryIO, at: int, where: str, band: bytearray, rows: int, col: int, width: int) -> int:
+    """A chunk's ``rows`` rows of ``width`` bytes, read from ``f`` at ``at``, placed in ``band``
+    (rows of ``len(band) // rows`` bytes) from byte column ``col``; returns their CRC-32.
+
+    Where the rows are at least as wide as there are rows (at most about ``sqrt(BAND)`` of them),
+    each is read straight into its place (:func:`~...io.fileio.pread_into`) and CRC'd there.
+    Narrower ones are read as one run, then placed byte column by byte column with strided
+    copies in C, so a band of narrow rows holds no object per row."""
+    row_bytes = len(band) // rows
+    if rows <= width:
+        with memoryview(band) as whole:
+            views = [whole[i * row_bytes + col : i * row_bytes + col + width] for i in range(rows)]
+            try:
+                if pread_into(f, views, at) < rows * width:
+                    _truncated(where)
+                crc = 0
+                for v in views:
+                    crc = crc32(v, crc)
+                return crc
+            finally:
+                for v in views:
+                    v.release()
+    data = bytearray(rows * width)
+    with memoryview(data) as whole:
+        if pread_into(f, [whole], at) < len(data):
+            _truncated(where)
+    for j in range(width):
+        band[col + j :: row_bytes] = data[j::width]
+    return crc32(data)
 
 
-def _read_at(f: BinaryIO, offset: int, length: int, where: str) -> bytes:
-    data = pread(f, length, offset)
-    while len(data) < length:  # a short read: the file shrank under us
-        more = pread(f, length - len(data), offset + len(data))
-        if not more:
-            raise CheckpointFormatError(f"{where}: the file ends before the chunk does (truncated while read?)")
-        data += more
-    return data
+def _truncated(where: str) -> NoReturn:
+    raise CheckpointFormatError(f"{where}: the file ends before the chunk does (truncated while read?)")
 
 
 def is_leaf(value: Any) -> bool:
