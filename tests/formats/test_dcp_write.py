@@ -346,7 +346,9 @@ def test_a_folder_that_fails_its_own_check_is_not_published(
 
     real = write.metadata_bytes
     monkeypatch.setattr(
-        write, "metadata_bytes", lambda items, stored: real(items, {k: (at + 1, n) for k, (at, n) in stored.items()})
+        write,
+        "metadata_bytes",
+        lambda items, stored: real(items, {k: (f, at + 1, n) for k, (f, at, n) in stored.items()}),
     )
     with pytest.raises(CheckpointWriteError, match="fails its own check.*out.dcp is as it was"):
         ckptkit.convert_checkpoint(fixtures_dir / "plain.pt", tmp_path / "out.dcp", format="dcp")

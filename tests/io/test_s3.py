@@ -1748,6 +1748,21 @@ def test_convert_workers_stream_their_shards_to_an_empty_prefix(
     assert not list((tmp_path / "staging").iterdir())
 
 
+@pytest.mark.slow  # worker processes
+def test_convert_workers_stream_their_distcp_files_to_an_empty_prefix(
+    prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uploaded = _uploads(monkeypatch)
+    state = {"model": {f"l{i}.weight": torch.randn(3 << 20) for i in range(3)}, "step": 3}
+    ckptkit.convert_checkpoint(_saved(tmp_path, state), f"{prefix}/out/", format="dcp", workers=2, to="keep")
+    names = sorted(n.rsplit("/", 1)[-1] for n in _fs().ls(f"{prefix}/out/"))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"] and uploaded == [".metadata"], (names, uploaded)
+    back = ckptkit.read_checkpoint(f"{prefix}/out")
+    assert back["step"] == 3 and _equal(back["model"], state["model"])
+    assert ckptkit.verify_checkpoint(f"{prefix}/out").ok
+    assert not list((tmp_path / "staging").iterdir())
+
+
 _SLOW_PARTS = """
 import os, time
 from ckptkit.io import upload

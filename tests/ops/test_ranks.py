@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import ckptkit
 from ckptkit.errors import ArgumentError
@@ -54,6 +55,21 @@ def test_under_torchrun_each_rank_writes_its_share_of_the_one_process_folder(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('"destination_format": "hf-sharded"') == 1  # rank 0 reports, for all
     assert _files(tmp_path / "hf") == _files(_one_process(tmp_path))
+    assert not _leftovers(tmp_path)
+
+
+def test_under_torchrun_each_rank_writes_its_distcp_file_of_a_dcp_folder(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    proc = _torchrun(SOURCE, tmp_path / "out.dcp", "--format", "dcp", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('"destination_format": "dcp"') == 1  # rank 0 reports, for all
+    assert sorted(p.name for p in (tmp_path / "out.dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    ckptkit.convert_checkpoint(SOURCE, tmp_path / "one.dcp", format="dcp")
+    for name in ("out", "one"):
+        dcp_to_torch_save(tmp_path / f"{name}.dcp", tmp_path / f"{name}.pt")
+    got, want = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("out", "one"))
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert not _leftovers(tmp_path)
 
 
@@ -113,7 +129,10 @@ def test_ranks_need_a_process_group_and_a_shard_folder(tmp_path: Path) -> None:
         ckptkit.convert_checkpoint(SOURCE, tmp_path / "hf/", ranks=True)
     proc = _torchrun(SOURCE, tmp_path / "one.safetensors")
     assert proc.returncode != 0  # torchrun says 1 for a worker's usage error (2)
-    assert "error: rank 0: a convert under torchrun or srun writes a folder of Hugging Face shards" in proc.stderr
+    assert (
+        "error: rank 0: a convert under torchrun or srun writes a folder (Hugging Face shards, or --format dcp)"
+        in proc.stderr
+    )
 
 
 def test_under_srun_each_task_writes_its_share(slurm: Any, tmp_path: Path) -> None:

@@ -76,6 +76,83 @@ def test_workers_write_the_folder_and_report_one_process_writes(
     assert not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
 
 
+@pytest.mark.parametrize(
+    ("source", "options"),
+    [
+        ("fsdp2_dcp_dim1", {}),  # chunks split along dim 1: each process assembles its tensors' bands
+        ("train_ckpt.pt", {"to": "keep"}),  # optimizer state and plain values: the first file holds those
+        ("fsdp2_dcp", {"dtype": "bf16"}),  # cast as copied: each worker's casts in the report
+    ],
+)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_split_a_dcp_folders_tensors_among_their_distcp_files(
+    fixtures_dir: Path, tmp_path: Path, source: str, options: dict[str, Any], workers: int
+) -> None:
+    """One ``.distcp`` per process, named as DCP names ranks' files; the same state dict through
+    torch's own reader as the one-process folder, bit for bit, and the same report and progress."""
+    import pickle
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.formats.test_dcp_write import _same
+
+    src = fixtures_dir / source
+    told: dict[str, list[tuple[int, int]]] = {"one": [], "many": []}
+    one = ckptkit.convert_checkpoint(
+        src, tmp_path / "one.dcp", format="dcp", progress=lambda n, t: told["one"].append((n, t)), **options
+    )
+    many = ckptkit.convert_checkpoint(
+        src,
+        tmp_path / "many.dcp",
+        format="dcp",
+        workers=workers,
+        progress=lambda n, t: told["many"].append((n, t)),
+        **options,
+    )
+    assert many.fast and {**_report(many), "bytes": 0} == {**_report(one), "bytes": 0}  # .metadata names each file
+    distcp = [f"__{i}_0.distcp" for i in range(workers)]
+    assert sorted(p.name for p in (tmp_path / "many.dcp").iterdir()) == [".metadata", *distcp]
+    meta = pickle.loads((tmp_path / "many.dcp" / ".metadata").read_bytes())
+    tensors = {k for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}
+    used = {info.relative_path for index, info in meta.storage_data.items() if index.fqn in tensors}
+    assert used == set(distcp)  # every process wrote tensors
+    others = {info.relative_path for index, info in meta.storage_data.items() if index.fqn not in tensors}
+    assert others <= {distcp[0]}  # plain values with the first, as DCP's rank 0 writes them
+    assert (
+        meta.state_dict_metadata == pickle.loads((tmp_path / "one.dcp" / ".metadata").read_bytes()).state_dict_metadata
+    )
+    for name in ("one", "many"):
+        dcp_to_torch_save(tmp_path / f"{name}.dcp", tmp_path / f"{name}.pt")
+    assert _same(
+        torch.load(tmp_path / "many.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
+    )
+    assert ckptkit.verify_checkpoint(tmp_path / "many.dcp").ok
+    done = {k: (sum(n for n, _ in v), {t for _, t in v}) for k, v in told.items()}
+    assert done["many"] == done["one"]
+    assert not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
+
+
+def test_damage_in_a_workers_distcp_share_fails_the_convert_naming_worker_and_tensor(
+    fixtures_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "dim1.dcp"
+    shutil.copytree(fixtures_dir / "fsdp2_dcp_dim1", folder)
+    ckptkit.convert_checkpoint(folder, tmp_path / "probe.dcp", format="dcp", workers=2)
+    probe = open_dcp(tmp_path / "probe.dcp")  # which tensor the worker writes
+    theirs = next(t for t in probe.obj.values() if not isinstance(t, dict) and t.pieces[0].file == "__1_0.distcp")
+    probe.close()
+    src = open_dcp(folder)
+    piece = src.obj[theirs.fqn].pieces[0]
+    src.close()
+    data = bytearray((folder / piece.file).read_bytes())
+    data[piece.offset + 3] ^= 0x40
+    (folder / piece.file).write_bytes(bytes(data))
+    name = theirs.fqn.replace(".", "[.]")
+    with pytest.raises(CheckpointFormatError, match=rf"worker 1 of 2 \(shard __1_0.distcp\): .*{name}.*damaged"):
+        ckptkit.convert_checkpoint(folder, tmp_path / "out.dcp", format="dcp", workers=2)
+    assert not (tmp_path / "out.dcp").exists() and not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
+
+
 def test_damage_in_a_workers_share_fails_the_convert_naming_worker_and_tensor(
     fixtures_dir: Path, tmp_path: Path
 ) -> None:
@@ -125,13 +202,13 @@ def test_a_worker_error_keeps_its_type_and_adds_the_worker(tmp_path: Path) -> No
         finish(True)
 
 
-def test_workers_need_a_shard_folder(fixtures_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ArgumentError, match="one file; end DST with /"):
+def test_workers_need_a_folder(fixtures_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ArgumentError, match=r"\(Hugging Face shards, or format=\"dcp\"\), and .* is one file; end DST"):
         ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "out.safetensors", workers=2)
-    with pytest.raises(ArgumentError, match="a DCP folder"):
-        ckptkit.convert_checkpoint(fixtures_dir / "ddp.pt", tmp_path / "out", format="dcp", workers=2)
     code, _, err = run("convert", fixtures_dir / "ddp.pt", tmp_path / "o.pt", "--workers", "2")
-    assert code == 2 and "--workers splits a folder" in err
+    assert (
+        code == 2 and "--workers splits a folder's files among processes (Hugging Face shards, or --format dcp)" in err
+    )
     code, _, err = run("convert", fixtures_dir / "ddp.pt", f"{tmp_path}/hf/", "--workers", "0")
     assert code == 2 and "--workers" in err
 
@@ -140,7 +217,7 @@ def test_a_source_read_with_torch_is_written_by_one_process_and_says_so(fixtures
     report = ckptkit.convert_checkpoint(
         fixtures_dir / "legacy_ddp.pt", tmp_path / "hf", max_shard_size="4KB", workers=2
     )
-    assert not report.fast and any("one process wrote every shard" in n for n in report.notes)
+    assert not report.fast and any("one process wrote every file" in n for n in report.notes)
     got = ckptkit.read_checkpoint(tmp_path / "hf")
     want = ckptkit.read_checkpoint(fixtures_dir / "legacy_ddp.pt")
     assert sorted(got) == sorted(k.removeprefix("module.") for k in want)

@@ -91,7 +91,8 @@ def _rules(f: Any) -> list[str]:
     default=1,
     show_default=True,
     metavar="N",
-    help="Write a folder's Hugging Face shards with N processes at once (the index once all are done).",
+    help="Write a folder's files with N processes at once: its Hugging Face shards, or with --format dcp "
+    "one .distcp file each (the index or .metadata once all are done).",
 )
 @click.option(
     "--ranks",

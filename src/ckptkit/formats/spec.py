@@ -263,16 +263,18 @@ class CheckpointFormat:
         return importlib.import_module(f"{self.package}.torch")
 
 
-# Starts the other workers on the temp folder, each with its list of shard files; returns
-# finish(ok): with True, waits for them all (raising the first failure, naming the worker); with
-# False (this process failed), stops them. See WritePlan.spread.
-Spread = Callable[[Path, list[list[str]]], Callable[[bool], None]]
+# Starts the other workers on the temp folder, each with its list of files; returns finish(ok):
+# with True, waits for them all (raising the first failure, naming the worker) and returns what
+# each one's writer reported (Part.reported); with False (this process failed), stops them. See
+# WritePlan.spread.
+Spread = Callable[[Path, list[list[str]]], Callable[[bool], list[Any]]]
 
 
 @dataclass
 class Part:
     """A worker's share of a sharded folder: write ``files`` (of the plan every worker makes
-    alike) into the writer's temp ``folder``, nothing else; ``share`` is what it reports back.
+    alike) into the writer's temp ``folder``, nothing else; ``share`` is what it reports back,
+    ``reported`` what its writer tells the first process's (a DCP file's items' places).
     ``receive``: where the folder and files are known only once the plan is (another rank's
     convert asks rank 0 for them), what gives them."""
 
@@ -280,6 +282,7 @@ class Part:
     files: list[str]
     share: Any = None
     receive: Callable[[], tuple[Path, list[str]]] | None = None
+    reported: Any = None
 
 
 @dataclass
@@ -292,7 +295,8 @@ class WritePlan:
         source: the source's name, for messages.
         copy_storages: a torch zip written from a torch zip may copy its storages as they are
             (False where the tensors are cast as they are copied).
-        workers: a sharded folder's shards split among this many processes, this one included.
+        workers: a sharded folder's files split among this many processes, this one included
+            (in each of them).
         spread: with ``workers``, starts the others (the writer keeps the first share).
         part: in a worker, its share: only those shard files are written.
         extra: other files a folder output holds (``config.json``), by name: written with the

@@ -194,14 +194,17 @@ def convert_checkpoint(
             output head left out where the config ties it; the weights alone (``model_only``), and
             ``config.json`` copied into a folder ``dst``. A weight that is not a Llama's is refused.
         workers: for a folder of Hugging Face shards, write the shards with this many processes
-            at once (this one and ``workers - 1`` spawned ones, each checking what it copies); the
-            index is written once all are done, and a failure in any leaves no folder. Where
-            ``src`` must be read with torch, one process writes every shard (``notes`` say so).
+            at once (this one and ``workers - 1`` spawned ones, each checking what it copies); for
+            a DCP folder (``format="dcp"``), split its tensors among that many ``.distcp`` files,
+            one per process. The index (``.metadata``) is written once all are done, and a failure
+            in any leaves no folder. Where ``src`` must be read with torch, one process writes
+            every file (``notes`` say so).
         ranks: called on every rank of the initialised process group (torchrun, srun), with the
-            same arguments: each rank writes its share of a folder of Hugging Face shards on a
-            filesystem they share, rank 0 the index once every rank's share is written and
-            checked; a failure on any rank fails every rank, naming it, and leaves no folder.
-            Every rank returns the report (rank 0's lists what all wrote).
+            same arguments: each rank writes its share of a folder of Hugging Face shards (or its
+            ``.distcp`` file of a DCP folder) on a filesystem they share, rank 0 the index (or
+            ``.metadata``) once every rank's share is written and checked; a failure on any rank
+            fails every rank, naming it, and leaves no folder. Every rank returns the report (rank
+            0's lists what all wrote).
 
     Returns:
         A :class:`ConvertReport`.
@@ -307,21 +310,22 @@ def _convert(
         raise ArgumentError(
             f"{spell('workers', '--workers')} must be a whole number of processes, 1 or more, not {workers!r}"
         )
-    if meetings is not None and (workers > 1 or not folder):
+    shared = folder or format is not None  # a folder's files can be split among processes; one file cannot
+    if meetings is not None and (workers > 1 or not shared):
         by_ranks = spell("ranks=True", "a convert under torchrun or srun")
         raise ArgumentError(
-            f"{by_ranks} writes a folder of Hugging Face shards, each rank its share, "
+            f"{by_ranks} writes a folder (Hugging Face shards, or {_dcp_flag()}), each rank its share, "
             + (
                 f"so leave {spell('workers', '--workers')} out"
                 if workers > 1
-                else f"and {dst} is {'a DCP folder' if format is not None else 'one file'}; end DST with / (or give "
-                f"{spell('max_shard_size', '--max-shard-size')}), or convert it in one process"
+                else f"and {dst} is one file; end DST with / (or give {spell('max_shard_size', '--max-shard-size')}) "
+                "to write shards, or convert it in one process"
             )
         )
-    if workers > 1 and not folder:
+    if workers > 1 and not shared:
         raise ArgumentError(
-            f"{spell('workers', '--workers')} splits a folder of Hugging Face shards among processes, and {dst} is "
-            f"{'a DCP folder' if format is not None else 'one file'}; end DST with / (or give "
+            f"{spell('workers', '--workers')} splits a folder's files among processes (Hugging Face shards, or "
+            f"{_dcp_flag()}), and {dst} is one file; end DST with / (or give "
             f"{spell('max_shard_size', '--max-shard-size')}) to write shards, or leave {spell('workers', '--workers')} out"
         )
     if folder and part is None:
@@ -343,19 +347,20 @@ def _convert(
     job.plan = WritePlan(max_shard_size=limit, source=str(source), workers=workers, part=part)
     if llama is not None and folder:
         job.plan.extra = {CONFIG: llama.text}
-    if workers > 1:  # the same convert in each, with its share of the shards (workers=1: they start none)
+    if workers > 1 and part is None:  # the same convert in each, with its share of the files
         job.workers = Workers(
             _convert,
             src,
             dst,
-            given | {"workers": 1},
+            given,  # workers too: each plans the files alike
             progress=lambda n: _tell(job.plan, n),
             elsewhere=ranged.stand_ins(src),  # a URL's objects: each worker reads through ranges too
         )
         job.plan.spread = job.workers
-    elif meetings is not None and meetings.rank == 0:  # the other ranks receive their share from it
-        job.workers, job.plan.spread = meetings, meetings
-        job.plan.workers = meetings.count
+    elif meetings is not None:
+        job.plan.workers = meetings.count  # each rank plans the files alike
+        if meetings.rank == 0:  # the other ranks receive their share from it
+            job.workers, job.plan.spread = meetings, meetings
     reason = _why_torch(in_fmt, out_fmt, trust)
     if not reason:
         assert in_fmt.open is not None  # _why_torch says so otherwise
@@ -426,7 +431,7 @@ def _convert(
     report = job.run(view)
     if workers > 1:
         report.notes.append(
-            f"{spell('workers', '--workers')}: {source} was read with torch, so one process wrote every shard"
+            f"{spell('workers', '--workers')}: {source} was read with torch, so one process wrote every file"
         )
     return report
 

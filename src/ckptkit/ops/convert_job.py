@@ -163,7 +163,8 @@ class Job:
         unread = view.unread()
         if self.plan.part is not None:  # a worker: what the parent's report needs of it
             cast = dict(self.casting.names) if self.casting else {}
-            self.plan.part.share = Share(cast, list(self.merging.merged) if self.merging else [], unread)
+            merges = list(self.merging.merged) if self.merging else []
+            self.plan.part.share = Share(cast, merges, unread, reported=self.plan.part.reported)
         if self.workers is not None and self.workers.shares:  # told in the order one process would have
             shares = self.workers.shares
             read_by = [set(s.unread) for s in shares]

@@ -67,19 +67,21 @@ class Ranks:
             return cc.all_gather_object(said, timeout_s=MEETING_TIMEOUT_S, what=what)
         return [cc.broadcast_object(said, src=0, timeout_s=MEETING_TIMEOUT_S, what=what)]
 
-    def __call__(self, folder: Path, shares: list[list[str]]) -> Callable[[bool], None]:
+    def __call__(self, folder: Path, shares: list[list[str]]) -> Callable[[bool], list[Any]]:
         """Rank 0, meeting 1: the folder and the other ranks' shares; returns ``finish(ok)``
-        (meeting 2), which raises the first other rank's failure."""
+        (meeting 2), which raises the first other rank's failure, or returns what each other
+        rank's writer reported."""
         self._meet(("ok", (str(folder), shares)), gather=False)
 
-        def finish(ok: bool) -> None:
+        def finish(ok: bool) -> list[Any]:
             said = self._meet(("ok", None) if ok else ("failed", (CheckpointWriteError, "rank 0 failed")), gather=True)
             if not ok:
-                return  # this rank raises its own failure
+                return []  # this rank raises its own failure
             failed = [value for status, value in said[1:] if status != "ok"]
             if failed:
                 raise _raised(failed[0])
             self.shares = [value for _, value in said[1:] if value is not None]
+            return [share.reported for share in self.shares]
 
         return finish
 

@@ -1,10 +1,11 @@
-"""``convert --workers N``: a sharded output's shards written by N processes at once.
+"""``convert --workers N``: a sharded output's files written by N processes at once.
 
-Every worker runs the same convert (the same checks, the same plan of shards) and writes only
-its share of the shard files into the parent's temp folder (:class:`~..formats.spec.Part`), or
+Every worker runs the same convert (the same checks, the same plan of files) and writes only
+its share of them (Hugging Face shards, or a DCP folder's ``.distcp`` files) into the parent's
+temp folder (:class:`~..formats.spec.Part`), or
 streams them to the store where the parent's output streams to an S3 prefix, reading a URL's
 source through ranges as the parent does (:mod:`..io.ranged`, :mod:`..io.streamed`); the
-parent writes the first share itself, then the index once every worker has written, checked
+parent writes the first share itself, then the index (or ``.metadata``) once every worker has written, checked
 and fsynced its files, and publishes the folder. A worker that fails, or dies, fails the whole
 convert and leaves no folder; the error names the worker, its shards and its cause. Workers are
 spawned (a fresh interpreter, as torch's own multiprocessing does for safety), so a torch-free
@@ -41,6 +42,7 @@ class Share:
     unread: list[str]
     runs: dict[str, dict[int, int]] = field(default_factory=dict)  # the source's objects' runs it read, by path
     sent: dict[str, list[str]] = field(default_factory=dict)  # shards it streamed to the output's store: their checks
+    reported: Any = None  # what its writer told the parent's (Part.reported)
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Workers:
     shares: list[Share] = field(default_factory=list)
     elsewhere: list[ranged.Stand] = field(default_factory=list)
 
-    def __call__(self, folder: Path, shares: list[list[str]]) -> Callable[[bool], None]:
+    def __call__(self, folder: Path, shares: list[list[str]]) -> Callable[[bool], list[Any]]:
         ctx = multiprocessing.get_context("spawn")
         count = len(shares) + 1  # this process too; fewer than asked where there are fewer shards
         copied = ctx.Value("q", 0)  # bytes the workers have copied, for the parent's progress
@@ -88,10 +90,10 @@ class Workers:
                 self.progress(copied.value - seen)
                 seen = copied.value
 
-        def finish(ok: bool) -> None:
+        def finish(ok: bool) -> list[Any]:
             if not ok:  # this process failed: the others' work is dropped with the folder
                 _stop(running)
-                return
+                return []
             try:
                 for i, files, proc, conn in running:
                     while not conn.poll(_POLL):
@@ -113,6 +115,7 @@ class Workers:
                     streamed.add_streamed(folder, value.sent)  # before anything else can fail: removed then
                     ranged.add_runs(value.runs)
                 tick()
+                return [share.reported for share in self.shares]
             finally:
                 _stop(running)
 

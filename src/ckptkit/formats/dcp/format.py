@@ -21,7 +21,12 @@ def write_entries(target: BinaryIO | Path, view: View, obj: Any, state: Any, pla
     appears only once ``view`` found no damage."""
     assert isinstance(target, Path)  # a folder: its writer owns the temp folder and the swap
     write_dcp_entries(
-        target, entry_tree(view, obj), source=view.name, progress=plan.progress, after=view.damage.raise_if_any
+        target,
+        entry_tree(view, obj),
+        source=view.name,
+        progress=plan.progress,
+        after=view.damage.raise_if_any,
+        plan=plan,
     )
 
 

@@ -7,6 +7,8 @@ lie, and its path in the nested state dict. Here each tensor is an :class:`~..en
 from its source as it is written (a DCP folder split along any dims included), so memory holds
 no tensor; ``.metadata`` comes last, and the folder passes ckptkit's own DCP check before it is
 published. ``torch.distributed.checkpoint.load`` reads it into a plain model or a sharded one.
+Written by several processes (``convert --workers``, or ranks), the tensors are split among one
+``.distcp`` per process, named as DCP names each rank's.
 
 Example:
     >>> write_dcp_entries(Path("out.dcp"), {"model": {"w": entry}}, source="model.pt")  # doctest: +SKIP
@@ -17,21 +19,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from ...errors import ArgumentError
+from ...errors import ArgumentError, CheckpointWriteError, summarize
 from ...io.atomic import streamed_file
 from ...io.atomicdir import atomic_folder
 from ...io.fileio import Progress
 from ..entry import Entry
 from ..pickles.dump import Built, dumps, global_
 from ..pickles.reader import Call
+from ..spec import WritePlan
 from ..torchzip.kept import RecordsKept
 from ..torchzip.writer import write_torch_zip
 from .check import check_written_dcp
 from .detect import DCP_METADATA
 
-DATA_FILE = "__0_0.distcp"  # FileSystemWriter's one file of rank 0
 DCP_VERSION = "1.0.0"  # what torch's FileSystemWriter records (torch.distributed.checkpoint.filesystem)
 _META = "torch.distributed.checkpoint.metadata"
 
@@ -107,6 +109,11 @@ def _spelled(raw: tuple[Any, ...]) -> str:
     return "".join(f"[{k!r}]" for k in raw)
 
 
+def data_file(rank: int) -> str:
+    """The ``.distcp`` file FileSystemWriter names for ``rank`` (its first thread's)."""
+    return f"__{rank}_0.distcp"
+
+
 def write_dcp_entries(
     dest: Path,
     state: Any,
@@ -114,10 +121,19 @@ def write_dcp_entries(
     source: str,
     progress: Progress | None = None,
     after: Callable[[], object] = lambda: None,
+    plan: WritePlan | None = None,
 ) -> None:
     """Write ``state`` (a mapping whose tensors are entries) as a DCP folder at ``dest``. ``after()`` runs once every item is written, before anything is
     published (a source's damage check). A folder standing for a store's prefix streams its
-    ``.distcp`` there, ``.metadata`` uploaded last, once the folder passes its check.
+    ``.distcp`` files there, ``.metadata`` uploaded last, once the folder passes its check.
+
+    With ``plan.workers`` above 1, the tensors are split among that many ``.distcp`` files by
+    bytes, named as ranks' files are (:func:`data_file`), and ``plan.spread`` has the other
+    processes write all but the first into the same temp folder while this one writes it, with
+    every non-tensor value (as DCP's rank 0 does). ``.metadata`` is written from what each reported
+    of its items' places once every file is complete and durable; any failure leaves no folder.
+    A worker (``plan.part``) writes only its files and reports their items' places
+    (``part.reported``).
 
     Raises:
         ArgumentError: ``state`` is not a mapping, or :func:`flatten` refuses it.
@@ -125,42 +141,86 @@ def write_dcp_entries(
     if not isinstance(state, Mapping):
         raise ArgumentError(f"{dest}: a DCP folder holds a state dict (a mapping), not a {type(state).__name__}")
     items = flatten(state, source=source)
+    files = split(items, plan.workers if plan is not None else 1)
+    part = plan.part if plan is not None else None
+    if part is not None:  # a worker: the first process checks and publishes
+        if part.receive is not None:
+            part.folder, part.files = part.receive()
+        if not set(part.files) <= set(files):
+            raise CheckpointWriteError(
+                f"cannot write {dest}: a worker planned other files than {summarize(part.files, 2)}; "
+                "this is a ckptkit bug, please report it with the command that did it"
+            )
+        part.reported = {}
+        for name in part.files:
+            part.reported |= _write_file(part.folder / name, {k: items[k] for k in files[name]}, progress, after)
+        return
+    spread = plan.spread if plan is not None else None
     with atomic_folder(dest, check=lambda tmp: check_written_dcp(tmp, dest=dest)) as tmp:
-        data = tmp / DATA_FILE
-        archives = RecordsKept()  # begun again at each item's zip
-        streamed = streamed_file(data, kept=lambda: archives)
-        with streamed if streamed is not None else open(data, "xb") as f:
-            stored = _write_items(f, items, archives, progress)
-            after()
-            if streamed is None:
-                f.flush()
-                os.fsync(f.fileno())
+        first, *others = files
+        finish = spread(tmp, [[name] for name in others]) if spread is not None else None
+        try:
+            stored = _write_file(tmp / first, {k: items[k] for k in files[first]}, progress, after)
+        except BaseException:
+            if finish is not None:
+                finish(False)
+            raise
+        if finish is not None:
+            for reported in finish(True):
+                stored |= reported
         with open(tmp / DCP_METADATA, "xb") as f:
             f.write(metadata_bytes(items, stored))
             f.flush()
             os.fsync(f.fileno())
 
 
-def _write_items(
-    f: BinaryIO, items: dict[str, tuple[KeyPath, Any]], archives: RecordsKept, progress: Progress | None
-) -> dict[str, tuple[int, int]]:
-    """Each item as ``torch.save`` writes it alone, one after another; key -> (offset, length)."""
-    stored: dict[str, tuple[int, int]] = {}
-    for key, (_, value) in items.items():
-        start = f.tell()
-        archives.begin(start)
-        write_torch_zip(f, value, progress=progress)
-        stored[key] = (start, f.tell() - start)
+def split(items: dict[str, tuple[KeyPath, Any]], count: int) -> dict[str, list[str]]:
+    """``items``' keys split among at most ``count`` files (:func:`data_file`): each tensor, largest
+    first, to the file with the fewest bytes so far; every other value to the first file. Each
+    file keeps the items' order, and every process that plans the same folder splits it alike.
+
+    Example:
+        >>> split({"a": (("a",), 1)}, 4)
+        {'__0_0.distcp': ['a']}
+    """
+    tensors = [k for k, (_, v) in items.items() if isinstance(v, Entry)]
+    count = max(1, min(count, len(tensors)))
+    loads, owner = [0] * count, dict.fromkeys(items, 0)
+    for key in sorted(tensors, key=lambda k: -items[k][1].nbytes):
+        i = loads.index(min(loads))
+        loads[i] += items[key][1].nbytes
+        owner[key] = i
+    return {data_file(i): [k for k in items if owner[k] == i] for i in range(count)}
+
+
+def _write_file(
+    path: Path, items: dict[str, tuple[KeyPath, Any]], progress: Progress | None, after: Callable[[], object]
+) -> dict[str, tuple[str, int, int]]:
+    """``items`` written into the new ``.distcp`` file ``path``, durable when this returns (or
+    streamed and committed); key -> (file, offset, length)."""
+    stored: dict[str, tuple[str, int, int]] = {}
+    archives = RecordsKept()  # begun again at each item's zip
+    streamed = streamed_file(path, kept=lambda: archives)
+    with streamed if streamed is not None else open(path, "xb") as f:
+        for key, (_, value) in items.items():  # each as torch.save writes it alone, one after another
+            start = f.tell()
+            archives.begin(start)
+            write_torch_zip(f, value, progress=progress)
+            stored[key] = (path.name, start, f.tell() - start)
+        after()
+        if streamed is None:
+            f.flush()
+            os.fsync(f.fileno())
     return stored
 
 
-def metadata_bytes(items: dict[str, tuple[KeyPath, Any]], stored: dict[str, tuple[int, int]]) -> bytes:
-    """``.metadata`` for ``items`` stored in :data:`DATA_FILE` at ``stored``, pickled as torch
+def metadata_bytes(items: dict[str, tuple[KeyPath, Any]], stored: dict[str, tuple[str, int, int]]) -> bytes:
+    """``.metadata`` for ``items`` stored at ``stored`` (key -> file, offset, length), pickled as torch
     pickles DCP's ``Metadata`` (its dataclasses by ``NEWOBJ`` and their fields), so that torch's
     reader and ckptkit's read it as one torch wrote.
 
     Example:
-        >>> data = metadata_bytes({"step": (("step",), 3)}, {"step": (0, 700)})
+        >>> data = metadata_bytes({"step": (("step",), 3)}, {"step": ("__0_0.distcp", 0, 700)})
         >>> data[:2], b"BytesStorageMetadata" in data
         (b'\\x80\\x02', True)
     """
@@ -174,8 +234,8 @@ def metadata_bytes(items: dict[str, tuple[KeyPath, Any]], stored: dict[str, tupl
     entries: dict[str, Any] = {}
     where: dict[Any, Any] = {}
     for key, (_, value) in items.items():
-        offset, length = stored[key]
-        info = {"relative_path": DATA_FILE, "offset": offset, "length": length}  # torch leaves out None fields
+        file, offset, length = stored[key]
+        info = {"relative_path": file, "offset": offset, "length": length}  # torch leaves out None fields
         if isinstance(value, Entry):
             # Five values: torch 2.6's reader unpacks exactly five; later ones also take a sixth,
             # the saved tensor's strides, which no load reads (a new tensor is contiguous anyway).
