@@ -200,6 +200,13 @@ def main() -> int:
                 dcp_in,
                 "dcp",
             ),
+            (
+                "ckptkit convert ckpt.dcp out.dcp --format dcp --workers 2 (a .distcp each)",
+                [*ckptkit, str(src), str(resharded), "--format", "dcp", "--workers", "2"],
+                resharded,
+                dcp_in,
+                "dcp",
+            ),
         ]
         if not args.only_memory:
             cases = [

@@ -90,12 +90,12 @@ SECTIONS = [
         "sharded along both dims (`Shard(0), Shard(1)` and `Shard(1), Shard(0)`, as column- and row-parallel "
         "layers are), vectors along dim 0: every matrix's chunks interleave row by row, so no chunk is a run of "
         "the output's bytes and each must pass through memory, where FSDP2's copy above stays in the kernel. "
-        "ckptkit assembles them in bands of rows, each chunk's share of a band one read, into one file, shards, "
-        "or (`--format dcp`) a DCP folder of one `.distcp`; torch's own `dcp_to_torch_save` (the whole state dict "
-        "in memory) runs in the same rounds.",
+        "ckptkit assembles them in bands of rows, each chunk's rows read straight into their places, into one file, shards, "
+        "or (`--format dcp`) a DCP folder of one `.distcp` per process; torch's own `dcp_to_torch_save` (the whole "
+        "state dict in memory) runs in the same rounds.",
         (
-            ("bench_dcp.py", "--gib", "1", "--runs", "3", "--mesh", "--naive", "--dir", "{disk}"),
-            ("bench_dcp.py", "--gib", "4", "--runs", "2", "--mesh", "--naive", "--dir", "{disk}"),
+            ("bench_dcp.py", "--gib", "1", "--runs", "5", "--mesh", "--naive", "--dir", "{disk}"),
+            ("bench_dcp.py", "--gib", "4", "--runs", "3", "--mesh", "--naive", "--dir", "{disk}"),
         ),
     ),
     Section(
