@@ -270,6 +270,23 @@ class CheckpointFormat:
 Spread = Callable[[Path, list[list[str]]], Callable[[bool], list[Any]]]
 
 
+def balanced(sizes: Mapping[str, int], count: int) -> dict[str, int]:
+    """Which of ``count`` processes writes each of ``sizes``' names (a file, a tensor), about equal
+    in bytes: each, largest first, to the one with the fewest so far. Every process that plans
+    the same output splits it alike.
+
+    Example:
+        >>> balanced({"a": 5, "b": 3, "c": 3}, 2)
+        {'a': 0, 'b': 1, 'c': 1}
+    """
+    loads, owner = [0] * count, {}
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
+        i = loads.index(min(loads))
+        loads[i] += sizes[name]
+        owner[name] = i
+    return owner
+
+
 @dataclass
 class Part:
     """A worker's share of a sharded folder: write ``files`` (of the plan every worker makes

@@ -28,7 +28,7 @@ from ...io.fileio import Progress
 from ..entry import Entry
 from ..pickles.dump import Built, dumps, global_
 from ..pickles.reader import Call
-from ..spec import WritePlan
+from ..spec import WritePlan, balanced
 from ..torchzip.kept import RecordsKept
 from ..torchzip.writer import write_torch_zip
 from .check import check_written_dcp
@@ -175,22 +175,18 @@ def write_dcp_entries(
 
 
 def split(items: dict[str, tuple[KeyPath, Any]], count: int) -> dict[str, list[str]]:
-    """``items``' keys split among at most ``count`` files (:func:`data_file`): each tensor, largest
-    first, to the file with the fewest bytes so far; every other value to the first file. Each
-    file keeps the items' order, and every process that plans the same folder splits it alike.
+    """``items``' keys split among at most ``count`` files (:func:`data_file`): the tensors about
+    equal in bytes (:func:`~..spec.balanced`), every other value in the first file. Each file
+    keeps the items' order.
 
     Example:
         >>> split({"a": (("a",), 1)}, 4)
         {'__0_0.distcp': ['a']}
     """
-    tensors = [k for k, (_, v) in items.items() if isinstance(v, Entry)]
+    tensors = {k: v.nbytes for k, (_, v) in items.items() if isinstance(v, Entry)}
     count = max(1, min(count, len(tensors)))
-    loads, owner = [0] * count, dict.fromkeys(items, 0)
-    for key in sorted(tensors, key=lambda k: -items[k][1].nbytes):
-        i = loads.index(min(loads))
-        loads[i] += items[key][1].nbytes
-        owner[key] = i
-    return {data_file(i): [k for k in items if owner[k] == i] for i in range(count)}
+    owner = balanced(tensors, count)
+    return {data_file(i): [k for k in items if owner.get(k, 0) == i] for i in range(count)}
 
 
 def _write_file(

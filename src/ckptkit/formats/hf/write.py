@@ -30,7 +30,7 @@ from ..integrity import check_written, kept_for_check
 from ..safetensors.codec import write_safetensors
 from ..safetensors.detect import SAFETENSORS
 from ..source import NeedsTorch
-from ..spec import WritePlan
+from ..spec import WritePlan, balanced
 from .detect import HF, HF_INDEXES
 from .index import HF_FILE, drop_tied, index_bytes, split
 
@@ -167,15 +167,10 @@ def _write_files(
 
 
 def _shares(written: Written, sizes: Mapping[str, int], count: int) -> list[list[str]]:
-    """The shard files split into ``count`` shares of about equal bytes (each file, largest first,
-    to the share with the fewest so far), each in the index's order; every process that plans
-    the same folder splits it alike."""
-    loads, shares = [0] * count, [set[str]() for _ in range(count)]
-    for file in sorted(written.files, key=lambda f: -sizes.get(f, 0)):
-        i = loads.index(min(loads))
-        loads[i] += sizes.get(file, 0)
-        shares[i].add(file)
-    return [[f for f in written.files if f in share] for share in shares]
+    """The shard files split into ``count`` shares of about equal bytes (:func:`~..spec.balanced`),
+    each in the index's order."""
+    owner = balanced({file: sizes.get(file, 0) for file in written.files}, count)
+    return [[f for f in written.files if owner[f] == i] for i in range(count)]
 
 
 def plan(state: Mapping[str, Entry], *, max_shard_size: int, views: bool = False) -> Written:
