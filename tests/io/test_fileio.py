@@ -156,7 +156,9 @@ def test_write_checked_starts_the_writeback_of_exactly_what_it_wrote(
     big = os.urandom(700 << 10)
     with open(tmp_path / "f", "wb") as f:
         f.write(b"head")  # still in the writer's buffer: counted by tell()
-        fileio.write_checked(f, b"small")  # left to the closing fsync
-        fileio.write_checked(f, big)
-    assert started == [(9, 300 << 10), (9 + (300 << 10), 300 << 10), (9 + (600 << 10), 100 << 10)]
-    assert (tmp_path / "f").read_bytes() == b"headsmall" + big
+        fileio.write_checked(f, b"small", writeback=True)  # left to the closing fsync
+        fileio.write_checked(f, big)  # not asked for
+        fileio.write_checked(f, big, writeback=True)
+    at = 9 + len(big)
+    assert started == [(at, 300 << 10), (at + (300 << 10), 300 << 10), (at + (600 << 10), 100 << 10)]
+    assert (tmp_path / "f").read_bytes() == b"headsmall" + big + big

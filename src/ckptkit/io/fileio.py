@@ -491,11 +491,13 @@ def _mapped(fd: int, offset: int, length: int, *, populate: bool = False) -> Ite
         m.close()
 
 
-def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None) -> int:
+def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None, *, writeback: bool = False) -> int:
     """Write ``buf`` (any buffer) to ``dst``; returns its CRC-32, computed on the CRC thread
     while each step is written, so a save pays for the write, not for the write and the CRC.
-    A file's writeback of a buffer of :data:`_WRITEBACK_FROM` bytes or more starts as soon as it
-    is written (:func:`.kcopy.start_writeback`), as :func:`copy_range`'s does.
+    ``writeback``: a file's writeback of a buffer of :data:`_WRITEBACK_FROM` bytes or more starts
+    as soon as it is written (:func:`.kcopy.start_writeback`), as :func:`copy_range`'s does; for a
+    caller writing a long run in steps (a DCP tensor's bands), where it was measured to pay. A
+    save's large storages, written whole, were slower with it.
 
     Example:
         >>> import io
@@ -504,7 +506,7 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None) -> 
     """
     value = 0
     with memoryview(buf) as whole, whole.cast("B") as data:
-        out = _descriptor(dst) if len(data) >= _WRITEBACK_FROM else -1
+        out = _descriptor(dst) if writeback and len(data) >= _WRITEBACK_FROM else -1
         start = dst.tell() if out >= 0 else 0
         for at in range(0, len(data), _CHECKED_STEP):
             with data[at : at + _CHECKED_STEP] as part:

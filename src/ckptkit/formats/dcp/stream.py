@@ -221,7 +221,7 @@ class DcpSource(EntryView):
                     got = _place(self.files[p.file], p.offset + start + r * width, p.where, band, n, col, width)
                     chunk_crcs[k] = crc32_combine(chunk_crcs[k], got, n * width)
                     col += width
-                crc = crc32_combine(crc, write_checked(dst, band, progress), n * row_bytes)
+                crc = crc32_combine(crc, write_checked(dst, band, progress, writeback=True), n * row_bytes)
         for p, got in zip(pieces, chunk_crcs, strict=True):
             self.damage.check((t.fqn, p), p.crc, got)
         return crc
