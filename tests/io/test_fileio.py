@@ -162,3 +162,24 @@ def test_write_checked_starts_the_writeback_of_exactly_what_it_wrote(
     at = 9 + len(big)
     assert started == [(at, 300 << 10), (at + (300 << 10), 300 << 10), (at + (600 << 10), 100 << 10)]
     assert (tmp_path / "f").read_bytes() == b"headsmall" + big + big
+
+
+class _Counted(io.BytesIO):
+    """An object without a descriptor, as a store's is, counting its reads."""
+
+    reads = 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        self.reads += 1
+        return super().read(n)
+
+
+def test_pread_into_reads_an_object_without_a_descriptor_in_one_run() -> None:
+    # Found in review: a band's rows were read from an S3 object one ranged read each.
+    from ckptkit.io import fileio
+
+    f = _Counted(bytes(range(200)))
+    out = bytearray(120)
+    views = [memoryview(out)[i : i + 10] for i in range(0, 120, 10)]
+    assert fileio.pread_into(f, views, 5) == 120  # type: ignore[arg-type]
+    assert out == bytes(range(5, 125)) and f.reads == 1

@@ -132,6 +132,27 @@ def test_workers_split_a_dcp_folders_tensors_among_their_distcp_files(
     assert not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
 
 
+def test_every_distcp_file_holds_bytes_however_many_tensors_are_empty(tmp_path: Path) -> None:
+    # Found in review: empty tensors counted towards the files, and --workers 3 wrote an empty __2_0.distcp.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.formats.test_dcp_write import _same
+
+    state = {"model": {"a": torch.arange(4.0), "b": torch.empty(0), "c": torch.empty(0, 3), "d": torch.ones(3)}}
+    torch.save({**state, "step": 3}, tmp_path / "src.pt")
+    for name, workers in (("one", 1), ("many", 3)):
+        ckptkit.convert_checkpoint(
+            tmp_path / "src.pt", tmp_path / f"{name}.dcp", format="dcp", to="keep", workers=workers
+        )
+        dcp_to_torch_save(tmp_path / f"{name}.dcp", tmp_path / f"{name}.pt")
+    files = sorted((tmp_path / "many.dcp").iterdir())
+    assert [p.name for p in files] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert all(p.stat().st_size for p in files)
+    assert _same(
+        torch.load(tmp_path / "many.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
+    )
+
+
 def test_damage_in_a_workers_distcp_share_fails_the_convert_naming_worker_and_tensor(
     fixtures_dir: Path, tmp_path: Path
 ) -> None:
@@ -148,7 +169,7 @@ def test_damage_in_a_workers_distcp_share_fails_the_convert_naming_worker_and_te
     data[piece.offset + 3] ^= 0x40
     (folder / piece.file).write_bytes(bytes(data))
     name = theirs.fqn.replace(".", "[.]")
-    with pytest.raises(CheckpointFormatError, match=rf"worker 1 of 2 \(shard __1_0.distcp\): .*{name}.*damaged"):
+    with pytest.raises(CheckpointFormatError, match=rf"worker 1 of 2 \(file __1_0.distcp\): .*{name}.*damaged"):
         ckptkit.convert_checkpoint(folder, tmp_path / "out.dcp", format="dcp", workers=2)
     assert not (tmp_path / "out.dcp").exists() and not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
 

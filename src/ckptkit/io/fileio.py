@@ -144,8 +144,8 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 def pread_into(f: BinaryIO, buffers: list[memoryview], offset: int) -> int:
     """Fill ``buffers`` in turn with the bytes of the open file ``f`` from ``offset``; returns how
     many bytes were read (fewer only at its end). A local file is read by ``preadv`` straight into
-    them (a band's rows from a chunk's: no copy between); an object in a store is read whole,
-    then copied in.
+    them (a band's rows from a chunk's: no copy between); an object in a store is read in one
+    run (one ranged read, not one per buffer), then copied in.
 
     Example:
         >>> import tempfile
@@ -180,16 +180,19 @@ def _after(buffers: list[memoryview], n: int) -> list[memoryview]:
 
 
 def _copy_into(f: BinaryIO, buffers: list[memoryview], offset: int) -> int:
+    """The buffers' whole span read as one run (looping on short reads), then copied into them."""
+    want = sum(len(b) for b in buffers)
+    data = bytearray()
+    while len(data) < want:
+        more = pread(f, want - len(data), offset + len(data))
+        if not more:  # its end
+            break
+        data += more
     done = 0
     for b in buffers:
-        filled = 0
-        while filled < len(b):
-            data = pread(f, len(b) - filled, offset + done)
-            if not data:  # its end
-                return done
-            b[filled : filled + len(data)] = data
-            filled += len(data)
-            done += len(data)
+        n = min(len(b), len(data) - done)
+        b[:n] = data[done : done + n]
+        done += n
     return done
 
 

@@ -123,7 +123,8 @@ class Workers:
 
 
 def _named(files: list[str]) -> str:
-    return f"shard {files[0]}" if len(files) == 1 else f"shards {summarize(files, 2)}"
+    kind = "shard" if files[0].endswith(".safetensors") else "file"  # a DCP folder's .distcp: a file
+    return f"{kind} {files[0]}" if len(files) == 1 else f"{kind}s {summarize(files, 2)}"
 
 
 def _stop(running: list[tuple[int, list[str], Any, Any]]) -> None:

@@ -175,16 +175,16 @@ def write_dcp_entries(
 
 
 def split(items: dict[str, tuple[KeyPath, Any]], count: int) -> dict[str, list[str]]:
-    """``items``' keys split among at most ``count`` files (:func:`data_file`): the tensors about
-    equal in bytes (:func:`~..spec.balanced`), every other value in the first file. Each file
-    keeps the items' order.
+    """``items``' keys split among at most ``count`` files (:func:`data_file`), never more than
+    there are tensors holding bytes: those about equal in bytes (:func:`~..spec.balanced`), every
+    other value (empty tensors too) in the first file. Each file keeps the items' order.
 
     Example:
         >>> split({"a": (("a",), 1)}, 4)
         {'__0_0.distcp': ['a']}
     """
-    tensors = {k: v.nbytes for k, (_, v) in items.items() if isinstance(v, Entry)}
-    count = max(1, min(count, len(tensors)))
+    tensors = {k: v.nbytes for k, (_, v) in items.items() if isinstance(v, Entry) and v.nbytes}
+    count = max(1, min(count, len(tensors)))  # each file holds bytes: an empty tensor goes with the values
     owner = balanced(tensors, count)
     return {data_file(i): [k for k in items if owner.get(k, 0) == i] for i in range(count)}
 
