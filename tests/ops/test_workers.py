@@ -33,6 +33,21 @@ def _report(report: Any) -> dict[str, Any]:
     return {k: v for k, v in report.to_dict().items() if k != "destination"}
 
 
+def _one_and_many(src: Path, one: Path, many: Path, workers: int, **options: Any) -> tuple[Any, Any]:
+    """The same convert by one process and by ``workers``; every worker's bytes reach the
+    caller's progress, against one total."""
+    told: dict[Path, list[tuple[int, int]]] = {one: [], many: []}
+    reports = [
+        ckptkit.convert_checkpoint(
+            src, out, workers=n, progress=lambda got, total, out=out: told[out].append((got, total)), **options
+        )
+        for out, n in ((one, 1), (many, workers))
+    ]
+    done = {k: (sum(n for n, _ in v), {t for _, t in v}) for k, v in told.items()}
+    assert done[many] == done[one]
+    return reports[0], reports[1]
+
+
 @pytest.mark.parametrize(
     ("source", "options"),
     [
@@ -56,23 +71,10 @@ def test_workers_write_the_folder_and_report_one_process_writes(
         src, options = fixtures_dir / "frameworks" / "torchtitan" / "step-2", {"hf_llama": config}
     else:
         src = fixtures_dir / source
-    told: dict[str, list[tuple[int, int]]] = {"one": [], "many": []}
-    one = ckptkit.convert_checkpoint(
-        src, tmp_path / "one", max_shard_size="600", progress=lambda n, total: told["one"].append((n, total)), **options
-    )
-    many = ckptkit.convert_checkpoint(
-        src,
-        tmp_path / "many",
-        max_shard_size="600",
-        workers=workers,
-        progress=lambda n, total: told["many"].append((n, total)),
-        **options,
-    )
+    one, many = _one_and_many(src, tmp_path / "one", tmp_path / "many", workers, max_shard_size="600", **options)
     assert one.shards >= 2  # the other workers had shares
     assert _files(tmp_path / "many") == _files(tmp_path / "one")
     assert _report(many) == _report(one)
-    done = {k: (sum(n for n, _ in v), {t for _, t in v}) for k, v in told.items()}
-    assert done["many"] == done["one"]  # every worker's bytes reach the caller's progress, against one total
     assert not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
 
 
@@ -97,18 +99,7 @@ def test_workers_split_a_dcp_folders_tensors_among_their_distcp_files(
     from tests.formats.test_dcp_write import _same
 
     src = fixtures_dir / source
-    told: dict[str, list[tuple[int, int]]] = {"one": [], "many": []}
-    one = ckptkit.convert_checkpoint(
-        src, tmp_path / "one.dcp", format="dcp", progress=lambda n, t: told["one"].append((n, t)), **options
-    )
-    many = ckptkit.convert_checkpoint(
-        src,
-        tmp_path / "many.dcp",
-        format="dcp",
-        workers=workers,
-        progress=lambda n, t: told["many"].append((n, t)),
-        **options,
-    )
+    one, many = _one_and_many(src, tmp_path / "one.dcp", tmp_path / "many.dcp", workers, format="dcp", **options)
     assert many.fast and {**_report(many), "bytes": 0} == {**_report(one), "bytes": 0}  # .metadata names each file
     distcp = [f"__{i}_0.distcp" for i in range(workers)]
     assert sorted(p.name for p in (tmp_path / "many.dcp").iterdir()) == [".metadata", *distcp]
@@ -127,8 +118,6 @@ def test_workers_split_a_dcp_folders_tensors_among_their_distcp_files(
         torch.load(tmp_path / "many.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
     )
     assert ckptkit.verify_checkpoint(tmp_path / "many.dcp").ok
-    done = {k: (sum(n for n, _ in v), {t for _, t in v}) for k, v in told.items()}
-    assert done["many"] == done["one"]
     assert not [p for p in tmp_path.iterdir() if TMP_SUFFIX in p.name]
 
 

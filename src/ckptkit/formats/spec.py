@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
+from ..errors import CheckpointWriteError, summarize
 from .detect import Signature
 from .entry import Entry, map_entries
 
@@ -300,6 +301,21 @@ class Part:
     share: Any = None
     receive: Callable[[], tuple[Path, list[str]]] | None = None
     reported: Any = None
+
+    def take(self, dest: Path, planned: Iterable[str]) -> None:
+        """Before a worker writes: its folder and files (from :attr:`receive`, where rank 0 gives
+        them), which must be among the files this process ``planned`` for ``dest``.
+
+        Raises:
+            CheckpointWriteError: they are not (the processes planned differently: a ckptkit bug).
+        """
+        if self.receive is not None:
+            self.folder, self.files = self.receive()
+        if not set(self.files) <= set(planned):
+            raise CheckpointWriteError(
+                f"cannot write {dest}: a worker planned other files than {summarize(self.files, 2)}; "
+                "this is a ckptkit bug, please report it with the command that did it"
+            )
 
 
 @dataclass

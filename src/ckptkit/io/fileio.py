@@ -164,7 +164,7 @@ def pread_into(f: BinaryIO, buffers: list[memoryview], offset: int) -> int:
             want = sum(len(b) for b in batch)
             got = os.preadv(fd, batch, offset + done)
             done += got
-            if got < want:  # its end, or a short read: the rest one by one, as pread reads them
+            if got < want:  # its end, or a short read: the rest read as pread reads it
                 return done + _copy_into(f, _after(buffers[at:], got), offset + done)
         return done
     return _copy_into(f, buffers, offset)

@@ -240,22 +240,17 @@ def _place(f: BinaryIO, at: int, where: str, band: bytearray, rows: int, col: in
     copies in C, so a band of narrow rows holds no object per row."""
     row_bytes = len(band) // rows
     if rows <= width:
-        with memoryview(band) as whole:
-            views = [whole[i * row_bytes + col : i * row_bytes + col + width] for i in range(rows)]
-            try:
-                if pread_into(f, views, at) < rows * width:
-                    _truncated(where)
-                crc = 0
-                for v in views:
-                    crc = crc32(v, crc)
-                return crc
-            finally:
-                for v in views:
-                    v.release()
-    data = bytearray(rows * width)
-    with memoryview(data) as whole:
-        if pread_into(f, [whole], at) < len(data):
+        whole = memoryview(band)
+        views = [whole[i * row_bytes + col : i * row_bytes + col + width] for i in range(rows)]
+        if pread_into(f, views, at) < rows * width:
             _truncated(where)
+        crc = 0
+        for v in views:
+            crc = crc32(v, crc)
+        return crc
+    data = bytearray(rows * width)
+    if pread_into(f, [memoryview(data)], at) < len(data):
+        _truncated(where)
     for j in range(width):
         band[col + j :: row_bytes] = data[j::width]
     return crc32(data)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ...errors import ArgumentError, CheckpointWriteError, summarize
+from ...errors import ArgumentError
 from ...io.atomic import streamed_file
 from ...io.atomicdir import atomic_folder
 from ...io.fileio import Progress
@@ -144,13 +144,7 @@ def write_dcp_entries(
     files = split(items, plan.workers if plan is not None else 1)
     part = plan.part if plan is not None else None
     if part is not None:  # a worker: the first process checks and publishes
-        if part.receive is not None:
-            part.folder, part.files = part.receive()
-        if not set(part.files) <= set(files):
-            raise CheckpointWriteError(
-                f"cannot write {dest}: a worker planned other files than {summarize(part.files, 2)}; "
-                "this is a ckptkit bug, please report it with the command that did it"
-            )
+        part.take(dest, files)
         part.reported = {}
         for name in part.files:
             part.reported |= _write_file(part.folder / name, {k: items[k] for k in files[name]}, progress, after)

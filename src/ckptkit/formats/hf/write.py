@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ...errors import ArgumentError, CheckpointWriteError, summarize
+from ...errors import ArgumentError, summarize
 from ...io.atomic import streamed_file
 from ...io.atomicdir import atomic_folder, check_folder_destination
 from ...io.fileio import Progress
@@ -79,13 +79,7 @@ def write_folder(
     one = len(written.files) == 1
     meta = {"format": "pt", **(metadata or {}), **(written.tied if one else {})}
     if plan is not None and plan.part is not None:  # a worker: the parent checks and publishes
-        if plan.part.receive is not None:
-            plan.part.folder, plan.part.files = plan.part.receive()
-        if not set(plan.part.files) <= set(written.files):
-            raise CheckpointWriteError(
-                f"cannot write {dest}: a worker planned other shards than {summarize(plan.part.files, 2)}; "
-                "this is a ckptkit bug, please report it with the command that did it"
-            )
+        plan.part.take(dest, written.files)
         _write_files(plan.part.folder, plan.part.files, written, write_shard, meta)
         return
     spread = plan.spread if plan is not None else None
