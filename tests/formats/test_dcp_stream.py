@@ -592,8 +592,14 @@ def test_interleaved_chunks_copy_exactly_in_any_band(
     )
 
 
-def test_a_flipped_bit_in_an_interleaved_chunk_fails_convert_naming_it(fixtures_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("band", [1 << 20, 100])  # rows read as one run; rows read into place, their run CRC'd apart
+def test_a_flipped_bit_in_an_interleaved_chunk_fails_convert_naming_it(
+    fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, band: int
+) -> None:
+    from ckptkit.formats.dcp import stream
     from ckptkit.formats.dcp.stream import open_dcp
+
+    monkeypatch.setattr(stream, "BAND", band)
 
     folder = tmp_path / "dim1.dcp"
     shutil.copytree(fixtures_dir / "fsdp2_dcp_dim1", folder)

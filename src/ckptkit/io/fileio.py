@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError
 from .helper import in_background
-from .kcopy import NoKernelCopy, copy_file_range, start_writeback
+from .kcopy import NoKernelCopy, copy_file_range, drop_behind, start_writeback
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -161,7 +161,7 @@ def pread_into(f: BinaryIO, buffers: list[memoryview], offset: int) -> int:
     if fd >= 0 and hasattr(os, "preadv"):
         for at in range(0, len(buffers), _IOV_MAX):
             batch = buffers[at : at + _IOV_MAX]
-            want = sum(len(b) for b in batch)
+            want = sum(map(len, batch))
             got = os.preadv(fd, batch, offset + done)
             done += got
             if got < want:  # its end, or a short read: the rest read as pread reads it
@@ -449,6 +449,24 @@ def _kernel_copy(inp: int, out: int, step: int, at: int, value: int | None, mapp
     return n, _crc_of_mapped(inp, at, n, value) if n > 0 else value  # a short copy: CRC what was copied
 
 
+def crc_in_background(f: BinaryIO, offset: int, length: int) -> Callable[[], int] | None:
+    """The CRC-32 of ``length`` bytes of the local file ``f`` from ``offset``, computed on a
+    helper thread while the caller reads the same bytes elsewhere (through the same page cache);
+    returns the function that waits for it. None for an object in a store (a second read would
+    fetch it twice): the caller CRCs what it read.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(b"xx123456789")
+        ...     f.flush()
+        ...     hex(crc_in_background(f, 2, 9)())
+        '0xcbf43926'
+    """
+    fd = _descriptor(f)
+    return None if fd < 0 else in_background(_crc_of_mapped, fd, offset, length, 0)
+
+
 def _crc_of_mapped(fd: int, at: int, n: int, value: int) -> int:
     """CRC-32 of ``n`` bytes of the file at ``at`` through a read-only mapping (read where the
     file cannot be mapped), continued from ``value``."""
@@ -498,7 +516,8 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None, *, 
     """Write ``buf`` (any buffer) to ``dst``; returns its CRC-32, computed on the CRC thread
     while each step is written, so a save pays for the write, not for the write and the CRC.
     ``writeback``: a file's writeback of a buffer of :data:`_WRITEBACK_FROM` bytes or more starts
-    as soon as it is written (:func:`.kcopy.start_writeback`), as :func:`copy_range`'s does; for a
+    as soon as it is written (:func:`.kcopy.start_writeback`), as :func:`copy_range`'s does, and
+    the pages written well before it are dropped once on disk (:func:`.kcopy.drop_behind`); for a
     caller writing a long run in steps (a DCP tensor's bands), where it was measured to pay. A
     save's large storages, written whole, were slower with it.
 
@@ -520,6 +539,7 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None, *, 
                     value = crc()  # the thread reads the buffer: it must finish before the view goes
                 if out >= 0:
                     start_writeback(out, start + at, len(part))
+                    drop_behind(out, start + at, len(part))
                 if progress is not None:
                     progress(len(part))
     return value

@@ -15,6 +15,7 @@ dropped and convert falls back to torch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -28,6 +29,7 @@ from ...io.fileio import (
     Progress,
     copy_range,
     crc32,
+    crc_in_background,
     crc_of_range,
     file_size,
     open_regular,
@@ -77,9 +79,8 @@ class Piece(NamedTuple):
 @dataclass(eq=False)
 class DcpTensor(Entry):
     """A full tensor as the pieces of its bytes, in order. Where :func:`open_dcp` was ``lazy``,
-    they are found when first asked for, or before that by a helper thread while an earlier
-    tensor is copied (:meth:`write`); an error found then is raised when they are asked for, in
-    the writer's order, as it would have been."""
+    they are found when first asked for (:meth:`write`), so an error in them is raised in the
+    writer's order."""
 
     fqn: str
     dtype: str
@@ -154,6 +155,8 @@ class DcpSource(EntryView):
     copied: set[str] = field(default_factory=set)  # the tensors a copy read (the rest: unread)
     producer: Producer | None = None  # megatron-core, where it wrote the folder
     damage: Damage = field(init=False)
+    _band: memoryview | None = field(default=None, repr=False)  # the band buffer (:meth:`_bands`), once needed
+    _shapes: dict[tuple[int, int, int, int], list[memoryview]] = field(default_factory=dict, repr=False)
     leaf_type = DcpTensor
 
     def __post_init__(self) -> None:
@@ -206,36 +209,97 @@ class DcpSource(EntryView):
             if len(parts) == 1:  # one chunk spans these rows: they follow one another in it
                 k, start, width = parts[0]
                 crc = crc32_combine(crc, stretch(k, start, g.rows * width), g.rows * width)
-                continue
-            if row_bytes > BAND:  # a row beyond a band: stretch by stretch
+            elif row_bytes > BAND:  # a row beyond a band: stretch by stretch
                 for r in range(g.rows):
                     for k, start, width in parts:
                         crc = crc32_combine(crc, stretch(k, start + r * width, width), width)
-                continue
-            step = BAND // row_bytes
-            for r in range(0, g.rows, step):
-                n = min(step, g.rows - r)
-                band, col = bytearray(n * row_bytes), 0
-                for k, start, width in parts:
-                    p = pieces[k]
-                    got = _place(self.files[p.file], p.offset + start + r * width, p.where, band, n, col, width)
-                    chunk_crcs[k] = crc32_combine(chunk_crcs[k], got, n * width)
-                    col += width
-                crc = crc32_combine(crc, write_checked(dst, band, progress, writeback=True), n * row_bytes)
+            else:
+                crc = crc32_combine(
+                    crc, self._bands(pieces, g.rows, parts, row_bytes, dst, progress, chunk_crcs), g.rows * row_bytes
+                )
         for p, got in zip(pieces, chunk_crcs, strict=True):
             self.damage.check((t.fqn, p), p.crc, got)
         return crc
 
+    def _bands(
+        self,
+        pieces: tuple[Piece, ...],
+        rows: int,
+        parts: list[tuple[int, int, int]],
+        row_bytes: int,
+        dst: BinaryIO,
+        progress: Progress | None,
+        chunk_crcs: list[int],
+    ) -> int:
+        """A group's ``rows`` rows, each ``parts`` side by side (``(chunk, first byte, width)``),
+        appended to ``dst`` band by band; returns their CRC-32, and adds each chunk's rows to its
+        CRC-32 in ``chunk_crcs``.
+
+        A local chunk's rows at least as wide as a band has rows are read straight into their
+        places, and its run of rows is CRC'd on a helper thread meanwhile: no call per row. The
+        band's buffer, and the places of its rows, serve every band of that shape."""
+        step, crc = BAND // row_bytes, 0
+        whole = self._buffer()
+        runs = {}  # part -> the CRC-32 of its chunk's rows here, read alongside
+        try:
+            for i, (k, start, width) in enumerate(parts):
+                p = pieces[k]
+                if step <= width and (run := crc_in_background(self.files[p.file], p.offset + start, rows * width)):
+                    runs[i] = run
+            for r in range(0, rows, step):
+                n, col = min(step, rows - r), 0
+                for i, (k, start, width) in enumerate(parts):
+                    p = pieces[k]
+                    at = p.offset + start + r * width
+                    if i in runs:
+                        if pread_into(self.files[p.file], self._places(n, row_bytes, col, width), at) < n * width:
+                            _truncated(p.where)
+                    else:
+                        got = _place(self.files[p.file], at, p.where, whole[: n * row_bytes], n, col, width)
+                        chunk_crcs[k] = crc32_combine(chunk_crcs[k], got, n * width)
+                    col += width
+                crc = crc32_combine(
+                    crc, write_checked(dst, whole[: n * row_bytes], progress, writeback=True), n * row_bytes
+                )
+        except BaseException:
+            for run in runs.values():  # they read files the caller closes next
+                with contextlib.suppress(Exception):
+                    run()
+            raise
+        for i, run in runs.items():
+            k, _, width = parts[i]
+            chunk_crcs[k] = crc32_combine(chunk_crcs[k], run(), rows * width)
+        return crc
+
+    def _buffer(self) -> memoryview:
+        if self._band is None:
+            self._band = memoryview(bytearray(BAND))
+        return self._band
+
+    def _places(self, rows: int, row_bytes: int, col: int, width: int) -> list[memoryview]:
+        """Where ``rows`` rows of ``width`` bytes go in the band buffer, from byte column ``col``."""
+        key = (rows, row_bytes, col, width)
+        places = self._shapes.get(key)
+        if places is None:
+            whole = self._buffer()
+            places = [whole[i * row_bytes + col : i * row_bytes + col + width] for i in range(rows)]
+            if len(self._shapes) >= _SHAPES:
+                self._shapes.clear()
+            self._shapes[key] = places
+        return places
+
 
 BAND = 1 << 20  # bytes of an interleaved tensor assembled at once: memory holds this, never a tensor
+_SHAPES = 64  # band shapes whose row places are kept (a model has a few)
 
 
-def _place(f: BinaryIO, at: int, where: str, band: bytearray, rows: int, col: int, width: int) -> int:
+def _place(f: BinaryIO, at: int, where: str, band: memoryview, rows: int, col: int, width: int) -> int:
     """A chunk's ``rows`` rows of ``width`` bytes, read from ``f`` at ``at``, placed in ``band``
     (rows of ``len(band) // rows`` bytes) from byte column ``col``; returns their CRC-32.
 
     Where the rows are at least as wide as there are rows (at most about ``sqrt(BAND)`` of them),
-    each is read straight into its place (:func:`~...io.fileio.pread_into`) and CRC'd there.
+    each is read straight into its place (:func:`~...io.fileio.pread_into`) and CRC'd there (an
+    object in a store's: a local file's are CRC'd as one run, see :meth:`DcpSource._bands`).
     Narrower ones are read as one run, then placed byte column by byte column with strided
     copies in C, so a band of narrow rows holds no object per row."""
     row_bytes = len(band) // rows
