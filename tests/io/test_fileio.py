@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptkit.errors import CheckpointFormatError, CheckpointNotFoundError
-from ckptkit.io import kcopy
 from ckptkit.io.fileio import open_regular, require_regular
 from tests import not_regular
 
@@ -163,55 +162,6 @@ def test_write_checked_starts_the_writeback_of_exactly_what_it_wrote(
     at = 9 + len(big)
     assert started == [(at, 300 << 10), (at + (300 << 10), 300 << 10), (at + (600 << 10), 100 << 10)]
     assert (tmp_path / "f").read_bytes() == b"headsmall" + big + big
-
-
-def _resident(path: Path) -> list[bool]:
-    """Which of the file's pages are in the page cache (``mincore`` over a read-only mapping)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size, page = path.stat().st_size, mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-        try:
-            assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-    finally:
-        os.close(fd)
-    return [bool(b & 1) for b in vec]
-
-
-@pytest.mark.skipif(kcopy._sync_file_range is None, reason="no sync_file_range: nothing is dropped")
-def test_a_long_write_in_steps_drops_the_pages_on_disk_behind_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A DCP tensor's bands, written with writeback: what lies more than _BEHIND bytes back is on
-    disk and out of the page cache (a convert larger than memory evicts no one's cache), what
-    is nearer stays, and the file holds every byte."""
-    from ckptkit.io import fileio
-
-    monkeypatch.setattr(kcopy, "_BEHIND", 1 << 20)
-    band = os.urandom(256 << 10)
-    path = tmp_path / "f"
-    with open(path, "wb") as f:
-        for _ in range(16):  # 4 MiB
-            fileio.write_checked(f, band, writeback=True)
-        f.flush()
-        os.fsync(f.fileno())
-    pages = _resident(path)
-    per_mib = (1 << 20) // os.sysconf("SC_PAGESIZE")
-    assert not any(pages[: 2 * per_mib]), "written long before the end, yet still cached"
-    assert all(pages[-per_mib:]), "the last _BEHIND bytes were dropped too"
-    assert path.read_bytes() == band * 16
 
 
 class _Counted(io.BytesIO):

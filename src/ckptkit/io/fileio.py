@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from ..errors import PARSE_ERRORS, CheckpointFormatError, CheckpointNotFoundError
 from .helper import in_background
-from .kcopy import NoKernelCopy, copy_file_range, drop_behind, start_writeback
+from .kcopy import NoKernelCopy, copy_file_range, start_writeback
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -516,8 +516,7 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None, *, 
     """Write ``buf`` (any buffer) to ``dst``; returns its CRC-32, computed on the CRC thread
     while each step is written, so a save pays for the write, not for the write and the CRC.
     ``writeback``: a file's writeback of a buffer of :data:`_WRITEBACK_FROM` bytes or more starts
-    as soon as it is written (:func:`.kcopy.start_writeback`), as :func:`copy_range`'s does, and
-    the pages written well before it are dropped once on disk (:func:`.kcopy.drop_behind`); for a
+    as soon as it is written (:func:`.kcopy.start_writeback`), as :func:`copy_range`'s does; for a
     caller writing a long run in steps (a DCP tensor's bands), where it was measured to pay. A
     save's large storages, written whole, were slower with it.
 
@@ -539,7 +538,6 @@ def write_checked(dst: BinaryIO, buf: Any, progress: Progress | None = None, *, 
                     value = crc()  # the thread reads the buffer: it must finish before the view goes
                 if out >= 0:
                     start_writeback(out, start + at, len(part))
-                    drop_behind(out, start + at, len(part))
                 if progress is not None:
                     progress(len(part))
     return value

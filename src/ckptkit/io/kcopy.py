@@ -54,25 +54,6 @@ def _libc(name: str, argtypes: list[Any]) -> Any:
 _sync_file_range = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
-_BEHIND = 64 << 20  # how far behind the write end drop_behind works: the disk's slack, in bytes
-
-
-def drop_behind(fd: int, offset: int, n: int) -> None:
-    """Wait for the writeback of the ``n`` bytes :data:`_BEHIND` bytes before ``offset``, then
-    drop them from the page cache (where libc has ``sync_file_range``; else nothing).
-
-    For a long stream written in steps whose writeback each step started (a DCP tensor's bands):
-    the writer keeps pace with the disk with a bounded window of dirty pages, and recycles the
-    pages it wrote instead of taking fresh ones. A convert larger than memory would otherwise
-    evict what others cache, and a VM that returns free memory to its host pays a fault on
-    every fresh page. Only whole pages are dropped; the closing fsync still makes it durable.
-    """
-    start, end = max(0, offset - _BEHIND) & ~4095, max(0, offset + n - _BEHIND) & ~4095
-    if _sync_file_range is not None and end > start:
-        _sync_file_range(fd, start, end - start, 7)  # WAIT_BEFORE | WRITE | WAIT_AFTER
-        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-
-
 def start_writeback(fd: int, offset: int, n: int) -> None:
     """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where libc has it, else nothing.
 
