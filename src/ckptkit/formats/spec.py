@@ -203,6 +203,9 @@ class CheckpointFormat:
             reports spell it, ``what`` messages call one, and its detection rule.
         package: its package, whose ``torch`` module is its torch half.
         check: ``check(path, full, progress)``: what ``verify`` reports.
+        check_opened: ``check_opened(view)``: the same structural checks (``full`` False) of a
+            view ``open`` returned, for a format whose check reads what its open reads (DCP's
+            chunk headers): a convert then opens it once.
         open: ``open(path, zero_weights=...)``: a :class:`View`; None: only torch reads it.
         write_entries: ``write_entries(target, view, obj, state, plan)``: the torch-free writer
             (``target`` an open file, or the folder's path); None: it is written by torch alone.
@@ -232,6 +235,7 @@ class CheckpointFormat:
     package: str
     check: Callable[[Path, bool, Progress | None], list[Check]]
     open: Callable[..., View] | None = None
+    check_opened: Callable[[View], list[Check]] | None = field(default=None, repr=False)
     write_entries: Callable[[BinaryIO | Path, View, Any, Any, WritePlan], Any] | None = None
     suffixes: tuple[str, ...] = ()
     folder: bool = False

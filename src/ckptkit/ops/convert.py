@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from ..errors import ArgumentError, spell
+from ..errors import ArgumentError, CkptkitError, spell
 from ..formats import registry
 from ..formats.cast import Cast, target_dtype
 from ..formats.dcp.megatron import unstack_flag
@@ -333,107 +333,133 @@ def _convert(
     out_fmt = registry.get(HF) if folder else _check_paths(source, dest, force, format)
     in_fmt = registry.detect(source)
     check_zero_source(source, in_fmt.name, zero_weights)  # a ZeRO-3 rank's file alone is an intact zip of placeholders
-    refuse_failing(source, in_fmt)  # verify's own judgement, before anything is read or written
     if unstack_layers and not in_fmt.unstacks_layers:
         raise ArgumentError(
             f"{unstack_flag()} splits the stacked layers of a DCP folder "
             f"megatron-core's torch_dist wrote; {src} is {in_fmt.name}: leave it out"
         )
-    job = Job(source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules, hf_llama=llama)
-    if merge_adapter is not None:  # checked against the source before anything is written
-        from .merge import Merge  # deferred: a merge needs torch, a plain convert does not
-
-        job.merging = Merge.read(merge_adapter, source, trust=trust, allow_globals=allow_globals)
-    job.plan = WritePlan(max_shard_size=limit, source=str(source), workers=workers, part=part)
-    if llama is not None and folder:
-        job.plan.extra = {CONFIG: llama.text}
-    if workers > 1 and part is None:  # the same convert in each, with its share of the files
-        job.workers = Workers(
-            _convert,
-            src,
-            dst,
-            given,  # workers too: each plans the files alike
-            progress=lambda n: _tell(job.plan, n),
-            elsewhere=ranged.stand_ins(src),  # a URL's objects: each worker reads through ranges too
+    opened = _opened(source, in_fmt, trust=trust, zero_weights=zero_weights, unstack_layers=unstack_layers)
+    try:
+        refuse_failing(source, in_fmt, opened=opened)  # verify's own judgement, before anything is read or written
+        job = Job(
+            source, dest, in_fmt, out_fmt, to, list(strip), list(add), model_only, key, rename=rules, hf_llama=llama
         )
-        job.plan.spread = job.workers
-    elif meetings is not None:
-        job.plan.workers = meetings.count  # each rank plans the files alike
-        if meetings.rank == 0:  # the other ranks receive their share from it
-            job.workers, job.plan.spread = meetings, meetings
-    reason = _why_torch(in_fmt, out_fmt, trust)
-    if not reason:
-        assert in_fmt.open is not None  # _why_torch says so otherwise
-        try:
-            view = in_fmt.open(source, lazy=True, zero_weights=zero_weights, unstack_layers=unstack_layers)
+        if merge_adapter is not None:  # checked against the source before anything is written
+            from .merge import Merge  # deferred: a merge needs torch, a plain convert does not
+
+            job.merging = Merge.read(merge_adapter, source, trust=trust, allow_globals=allow_globals)
+        job.plan = WritePlan(max_shard_size=limit, source=str(source), workers=workers, part=part)
+        if llama is not None and folder:
+            job.plan.extra = {CONFIG: llama.text}
+        if workers > 1 and part is None:  # the same convert in each, with its share of the files
+            job.workers = Workers(
+                _convert,
+                src,
+                dst,
+                given,  # workers too: each plans the files alike
+                progress=lambda n: _tell(job.plan, n),
+                elsewhere=ranged.stand_ins(src),  # a URL's objects: each worker reads through ranges too
+            )
+            job.plan.spread = job.workers
+        elif meetings is not None:
+            job.plan.workers = meetings.count  # each rank plans the files alike
+            if meetings.rank == 0:  # the other ranks receive their share from it
+                job.workers, job.plan.spread = meetings, meetings
+        reason = _why_torch(in_fmt, out_fmt, trust)
+        if not reason:
+            assert in_fmt.open is not None  # _why_torch says so otherwise
             try:
-                return _copy(view, job, progress=progress, dtype=dtype, sanitize=sanitize)
-            finally:
-                view.close()
-        except mp.UnsafeModulePickle as e:
-            if not allow_globals:
-                raise unsafe_error(
-                    str(source), e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK
-                ) from None
-            reason = "pickled module with allowed globals: loaded with torch"
-        except UnsupportedGlobal as e:
-            reason = f"{e.name} is not modelled by the fast path: loaded with torch"
-        except NeedsTorch as e:
-            reason = f"{e}: loaded with torch"
-    job.workers = job.plan.spread = None  # the torch path writes alone: no worker's share of a fast try counts
-    if meetings is not None:  # the torch path loads the whole source into one process
-        raise ArgumentError(
-            f"{source} is read with torch here ({reason}), which loads it whole in one process: convert it "
-            "without torchrun or srun"
+                view = (
+                    opened
+                    if opened is not None
+                    else in_fmt.open(source, lazy=True, zero_weights=zero_weights, unstack_layers=unstack_layers)
+                )
+                try:
+                    return _copy(view, job, progress=progress, dtype=dtype, sanitize=sanitize)
+                finally:
+                    view.close()
+            except mp.UnsafeModulePickle as e:
+                if not allow_globals:
+                    raise unsafe_error(
+                        str(source), e.names, where=f" (a pickled {e.description} module)", beyond=MODULE_WALK
+                    ) from None
+                reason = "pickled module with allowed globals: loaded with torch"
+            except UnsupportedGlobal as e:
+                reason = f"{e.name} is not modelled by the fast path: loaded with torch"
+            except NeedsTorch as e:
+                reason = f"{e}: loaded with torch"
+        job.workers = job.plan.spread = None  # the torch path writes alone: no worker's share of a fast try counts
+        if meetings is not None:  # the torch path loads the whole source into one process
+            raise ArgumentError(
+                f"{source} is read with torch here ({reason}), which loads it whole in one process: convert it "
+                "without torchrun or srun"
+            )
+        if part is not None:  # a worker: its parent converts through torch, alone
+            raise NeedsTorch(reason.removesuffix(": loaded with torch"))
+        from .read import read_source  # deferred: torch is imported only when this path is taken
+
+        obj = read_source(
+            str(source),
+            map_location="cpu",
+            trust=trust,
+            allow_globals=allow_globals,
+            zero_weights=zero_weights,
+            checked=True,  # refuse_failing ran above, before anything was read
         )
-    if part is not None:  # a worker: its parent converts through torch, alone
-        raise NeedsTorch(reason.removesuffix(": loaded with torch"))
-    from .read import read_source  # deferred: torch is imported only when this path is taken
+        if unstack_layers:  # split here: the stream splits them in the folder's metadata
+            from ..formats.dcp.torch import unstack_tensors  # deferred with torch, as above
 
-    obj = read_source(
-        str(source),
-        map_location="cpu",
-        trust=trust,
-        allow_globals=allow_globals,
-        zero_weights=zero_weights,
-        checked=True,  # refuse_failing ran above, before anything was read
-    )
-    if unstack_layers:  # split here: the stream splits them in the folder's metadata
-        from ..formats.dcp.torch import unstack_tensors  # deferred with torch, as above
+            obj = unstack_tensors(obj, str(source))
+        module = in_fmt.module_name(source) if trust and in_fmt.module_name is not None else ""
+        if module:  # read by the same inert walk as untrusted: nothing of the pickle was run
+            reason = "trusted file: its tensors were read through torch"
+        view = TorchView(obj, source, in_fmt, reason=reason, pickled_module=module)
+        # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
+        check_recorded_crcs(source, in_fmt.name, progress=_progress(progress, view.nbytes))
+        job.sanitize = sanitize
+        if (merging := job.merging) is not None:
+            from .merge import merge_tensors  # deferred with torch, as above
 
-        obj = unstack_tensors(obj, str(source))
-    module = in_fmt.module_name(source) if trust and in_fmt.module_name is not None else ""
-    if module:  # read by the same inert walk as untrusted: nothing of the pickle was run
-        reason = "trusted file: its tensors were read through torch"
-    view = TorchView(obj, source, in_fmt, reason=reason, pickled_module=module)
-    # torch.load checks no CRC-32: check them before writing (after loading, so an unsafe file is refused at once)
-    check_recorded_crcs(source, in_fmt.name, progress=_progress(progress, view.nbytes))
-    job.sanitize = sanitize
-    if (merging := job.merging) is not None:
-        from .merge import merge_tensors  # deferred with torch, as above
+            merging.merged.clear()  # a fast try's merges were not written
+            job.merge = lambda state: merge_tensors(state, merging)
+        if dtype is not None:
+            from .torchcast import cast_tensors  # deferred with torch, as above
 
-        merging.merged.clear()  # a fast try's merges were not written
-        job.merge = lambda state: merge_tensors(state, merging)
-    if dtype is not None:
-        from .torchcast import cast_tensors  # deferred with torch, as above
+            job.casting = cast = Cast(dtype)
+            job.cast = lambda state: cast_tensors(state, cast)
+        if sanitize:
+            from .sanitize import sanitize as make_plain  # deferred with torch, as above
 
-        job.casting = cast = Cast(dtype)
-        job.cast = lambda state: cast_tensors(state, cast)
-    if sanitize:
-        from .sanitize import sanitize as make_plain  # deferred with torch, as above
+            def finish(out: object) -> object:
+                plain, found = make_plain(out, source=str(source))
+                job.sanitized.extend(found)
+                return plain
 
-        def finish(out: object) -> object:
-            plain, found = make_plain(out, source=str(source))
-            job.sanitized.extend(found)
-            return plain
+            job.finish = finish
+        report = job.run(view)
+        if workers > 1:
+            report.notes.append(
+                f"{spell('workers', '--workers')}: {source} was read with torch, so one process wrote every file"
+            )
+        return report
 
-        job.finish = finish
-    report = job.run(view)
-    if workers > 1:
-        report.notes.append(
-            f"{spell('workers', '--workers')}: {source} was read with torch, so one process wrote every file"
-        )
-    return report
+    finally:
+        if opened is not None:
+            opened.close()
+
+
+def _opened(
+    source: Path, fmt: CheckpointFormat, *, trust: bool, zero_weights: str, unstack_layers: bool
+) -> View | None:
+    """``source`` opened whole where its format's check reads what its open reads (DCP: every
+    chunk's header), so the check before the copy and the copy share one reading; None where
+    the torch-free copy is not tried or cannot open it (the check, then torch, say why)."""
+    if fmt.check_opened is None or fmt.open is None or (trust and fmt.trust_matters):
+        return None
+    try:
+        return fmt.open(source, zero_weights=zero_weights, unstack_layers=unstack_layers)
+    except (CkptkitError, NeedsTorch, OSError):
+        return None
 
 
 def _why_torch(in_fmt: CheckpointFormat, out_fmt: CheckpointFormat, trust: bool) -> str:

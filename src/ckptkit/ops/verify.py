@@ -22,7 +22,7 @@ from ..formats.hf.index import shard_note
 from ..formats.integrity import Check
 from ..formats.pickles.safety import AllowGlobals, global_name, resolve_globals, unsafe_error
 from ..formats.source import checkpoint_bytes
-from ..formats.spec import CheckpointFormat
+from ..formats.spec import CheckpointFormat, View
 from ..io.fileio import Progress
 from ..io.store import locate
 
@@ -129,10 +129,11 @@ def verify_checkpoint(
     return report
 
 
-def refuse_failing(path: Path, fmt: CheckpointFormat) -> None:
+def refuse_failing(path: Path, fmt: CheckpointFormat, *, opened: View | None = None) -> None:
     """Raise where ``verify`` would fail ``path`` on its structure (payload CRC-32s aside: a copy
     checks those as it reads the bytes), in verify's words: nothing is read or written from such
-    a source.
+    a source. ``opened``: ``path`` as ``fmt.open`` read it, checked as it is
+    (:attr:`~..formats.spec.CheckpointFormat.check_opened`), not read again.
 
     Raises:
         CheckpointFormatError: naming each failed check.
@@ -141,7 +142,11 @@ def refuse_failing(path: Path, fmt: CheckpointFormat) -> None:
         >>> refuse_failing(Path("model.pt"), registry.get("torch-zip"))  # doctest: +SKIP
     """
     try:
-        checks = fmt.check(path, False, None)
+        if opened is not None:
+            assert fmt.check_opened is not None  # only such a format's view is passed
+            checks = fmt.check_opened(opened)
+        else:
+            checks = fmt.check(path, False, None)
     except CheckpointFormatError as e:  # the structure itself: the readers raise the same
         if type(e) is CheckpointFormatError and str(path) not in str(e):
             raise CheckpointFormatError(f"{path}: {e}") from None

@@ -16,10 +16,11 @@ from ..pickles.reader import UnsupportedGlobal
 from ..pickles.safety import filter_unsafe, needs_text
 from ..pickles.scan import pickle_globals
 from ..source import NeedsTorch
+from ..spec import View
 from ..torchzip.container import SliceReader, TorchZip
 from . import unsafe_metadata_globals
 from .meta import BytesEntry, Stored, TensorEntry, chunks_in_order
-from .stream import chunk_crc_check, open_dcp
+from .stream import DcpSource, chunk_crc_check, open_dcp
 
 
 def dcp_checks(p: Path, full: bool, progress: Progress | None) -> list[Check]:
@@ -29,28 +30,41 @@ def dcp_checks(p: Path, full: bool, progress: Progress | None) -> list[Check]:
     try:  # ckptkit's own reader first: what it refuses (a planner_data index of 10**14), torch's must not see
         src = open_dcp(p)
     except (CheckpointFormatError, NeedsTorch) as e:  # UnsupportedGlobal is a CheckpointFormatError
-        src, failure = None, e
+        failure = e
+    else:
+        try:
+            return opened_checks(src, full=full, progress=progress)
+        finally:
+            src.close()
     # Read whole, .metadata named DCP's classes only (its unpickler takes no other): else list every global
-    unsafe = unsafe_metadata_globals(p) if src is None else []
-    detail = f".metadata {needs_text(unsafe, beyond='DCP')}" if unsafe else "DCP metadata classes only"
-    checks = [Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))]
+    unsafe = unsafe_metadata_globals(p)
     if unsafe:
-        return checks
-    if src is None:
-        if isinstance(failure, (NeedsTorch, UnsupportedGlobal)):
-            return checks + _torch_checks(p)  # laid out beyond the torch-free reader: torch's reader checks it
-        return [*checks, Check("metadata", "integrity", False, str(failure))]
-    try:
-        meta = src.meta
-        assert meta is not None  # open_dcp read it
-        stored = [(e.fqn, c.stored) for e in meta.entries.values() if isinstance(e, TensorEntry) for c in e.chunks]
-        blobs = [(e.fqn, e.stored) for e in meta.entries.values() if isinstance(e, BytesEntry)]
-        checks.append(Check("metadata", "integrity", True, f"{len(meta.entries)} entries"))
-        checks += [*_entries(p, blobs), _shards(p, stored + blobs)]
-        checks += [chunk_crc_check(src, progress)] if full else []
-    finally:
-        src.close()
-    return checks
+        return [_safe(unsafe)]
+    if isinstance(failure, (NeedsTorch, UnsupportedGlobal)):
+        return [_safe([]), *_torch_checks(p)]  # laid out beyond the torch-free reader: torch's reader checks it
+    return [_safe([]), Check("metadata", "integrity", False, str(failure))]
+
+
+def _safe(unsafe: list[str]) -> Check:
+    detail = f".metadata {needs_text(unsafe, beyond='DCP')}" if unsafe else "DCP metadata classes only"
+    return Check("safe to load", "safety", not unsafe, detail, tuple(unsafe))
+
+
+def opened_checks(src: View, *, full: bool = False, progress: Progress | None = None) -> list[Check]:
+    """:func:`dcp_checks` of a folder already opened whole (``open_dcp`` without ``lazy``: its
+    metadata and every chunk's header read, as the check reads them), so a convert opens it once.
+
+    Example:
+        >>> [c.name for c in opened_checks(open_dcp("ckpt_dcp"))]  # doctest: +SKIP
+        ['safe to load', 'metadata', 'non-tensor entries safe to load', 'shards present and long enough']
+    """
+    assert isinstance(src, DcpSource) and src.meta is not None and not src.lazy  # as open_dcp(p) returns it
+    p, meta = src.folder, src.meta
+    stored = [(e.fqn, c.stored) for e in meta.entries.values() if isinstance(e, TensorEntry) for c in e.chunks]
+    blobs = [(e.fqn, e.stored) for e in meta.entries.values() if isinstance(e, BytesEntry)]
+    checks = [_safe([]), Check("metadata", "integrity", True, f"{len(meta.entries)} entries")]
+    checks += [*_entries(p, blobs), _shards(p, stored + blobs)]
+    return checks + ([chunk_crc_check(src, progress)] if full else [])
 
 
 def check_written_dcp(path: Path, *, dest: Path) -> None:

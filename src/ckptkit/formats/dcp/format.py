@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..spec import CheckpointFormat, View, WritePlan, entry_tree
-from .check import dcp_checks
+from .check import dcp_checks, opened_checks
 from .detect import DCP_METADATA, SIGNATURE, is_dcp_file
 from .stream import open_dcp
 from .write import write_dcp_entries
@@ -35,6 +35,7 @@ DCP_FORMAT = CheckpointFormat(
     package="ckptkit.formats.dcp",
     check=dcp_checks,
     open=_open,
+    check_opened=opened_checks,
     write_entries=write_entries,
     folder=True,
     owns=(is_dcp_file, "DCP files"),

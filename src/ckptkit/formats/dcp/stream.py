@@ -154,6 +154,7 @@ class DcpSource(EntryView):
     sizes: dict[str, int] = field(default_factory=dict)  # each file's size when opened: checked once, not per chunk
     copied: set[str] = field(default_factory=set)  # the tensors a copy read (the rest: unread)
     producer: Producer | None = None  # megatron-core, where it wrote the folder
+    lazy: bool = False  # its chunks' headers are read as their tensors are first copied (open_dcp's lazy)
     damage: Damage = field(init=False)
     _band: memoryview | None = field(default=None, repr=False)  # the band buffer (:meth:`_bands`), once needed
     _shapes: dict[tuple[int, int, int, int], list[memoryview]] = field(default_factory=dict, repr=False)
@@ -366,7 +367,7 @@ def open_dcp(folder: str | os.PathLike[str], *, lazy: bool = False, unstack_laye
         NeedsTorch, UnsupportedGlobal: something here is not modelled; torch's reader may read it.
         CheckpointFormatError: chunks leave gaps or overlap, or a chunk is not what the metadata says.
     """
-    src = DcpSource(Path(folder), {})
+    src = DcpSource(Path(folder), {}, lazy=lazy)
     try:
         src.meta = meta = read_metadata(src.folder)
         src.producer = megatron_producer(src.folder, meta)
