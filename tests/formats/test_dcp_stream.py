@@ -691,3 +691,20 @@ def test_a_band_of_narrow_rows_holds_no_object_per_row(tmp_path: Path) -> None:
     assert peak < 8 * stream.BAND, (
         peak
     )  # a few band-sized buffers (reads, the band, a strided column): no per-row objects
+
+
+def test_convert_reads_each_chunk_header_once(
+    fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check before the copy and the copy share one opening of the folder: every chunk's zip
+    header was read twice (once to check, once to copy), twice the metadata work of a large run."""
+    from ckptkit.formats.dcp import stream
+
+    found: list[str] = []
+    real = stream._pieces
+    monkeypatch.setattr(stream, "_pieces", lambda src, e, seen: found.append(e.fqn) or real(src, e, seen))
+    ckptkit.convert_checkpoint(fixtures_dir / "fsdp2_dcp_dim1", tmp_path / "out.safetensors")
+    assert found and sorted(found) == sorted(set(found))
+    _assert_same(
+        _read(tmp_path / "out.safetensors"), torch.load(fixtures_dir / "fsdp2_dcp_dim1.expected.pt", weights_only=True)
+    )
