@@ -338,7 +338,8 @@ def _convert(
             f"{unstack_flag()} splits the stacked layers of a DCP folder "
             f"megatron-core's torch_dist wrote; {src} is {in_fmt.name}: leave it out"
         )
-    opened = _opened(source, in_fmt, trust=trust, zero_weights=zero_weights, unstack_layers=unstack_layers)
+    reason = _why_torch(in_fmt, out_fmt, trust)
+    opened = None if reason else _opened(source, in_fmt, zero_weights=zero_weights, unstack_layers=unstack_layers)
     try:
         refuse_failing(source, in_fmt, opened=opened)  # verify's own judgement, before anything is read or written
         job = Job(
@@ -365,7 +366,6 @@ def _convert(
             job.plan.workers = meetings.count  # each rank plans the files alike
             if meetings.rank == 0:  # the other ranks receive their share from it
                 job.workers, job.plan.spread = meetings, meetings
-        reason = _why_torch(in_fmt, out_fmt, trust)
         if not reason:
             assert in_fmt.open is not None  # _why_torch says so otherwise
             try:
@@ -448,13 +448,11 @@ def _convert(
             opened.close()
 
 
-def _opened(
-    source: Path, fmt: CheckpointFormat, *, trust: bool, zero_weights: str, unstack_layers: bool
-) -> View | None:
-    """``source`` opened whole where its format's check reads what its open reads (DCP: every
-    chunk's header), so the check before the copy and the copy share one reading; None where
-    the torch-free copy is not tried or cannot open it (the check, then torch, say why)."""
-    if fmt.check_opened is None or fmt.open is None or (trust and fmt.trust_matters):
+def _opened(source: Path, fmt: CheckpointFormat, *, zero_weights: str, unstack_layers: bool) -> View | None:
+    """For a torch-free copy: ``source`` opened whole where its format's check reads what its open
+    reads (DCP: every chunk's header), so the check before the copy and the copy share one
+    reading; None where it cannot be opened so (the check, then torch, say why)."""
+    if fmt.check_opened is None or fmt.open is None:
         return None
     try:
         return fmt.open(source, zero_weights=zero_weights, unstack_layers=unstack_layers)

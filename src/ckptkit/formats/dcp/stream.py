@@ -236,9 +236,11 @@ class DcpSource(EntryView):
         appended to ``dst`` band by band; returns their CRC-32, and adds each chunk's rows to its
         CRC-32 in ``chunk_crcs``.
 
-        A local chunk's rows at least as wide as a band has rows are read straight into their
-        places, and its run of rows is CRC'd on a helper thread meanwhile: no call per row. The
-        band's buffer, and the places of its rows, serve every band of that shape."""
+        Rows at least as wide as the band has rows (at most about ``sqrt(BAND)`` of them) are
+        read straight into their places: a local chunk's run of rows is CRC'd on a helper thread
+        meanwhile (no call per row), an object in a store's row by row as read. Narrower rows go
+        through :func:`_place_narrow`. The band's buffer, and the places of its rows, serve every
+        band of that shape."""
         step, crc = BAND // row_bytes, 0
         whole = self._buffer()
         runs = {}  # part -> the CRC-32 of its chunk's rows here, read alongside
@@ -252,11 +254,17 @@ class DcpSource(EntryView):
                 for i, (k, start, width) in enumerate(parts):
                     p = pieces[k]
                     at = p.offset + start + r * width
-                    if i in runs:
-                        if pread_into(self.files[p.file], self._places(n, row_bytes, col, width), at) < n * width:
+                    if n <= width:  # wide rows: each read straight into its place
+                        places = self._places(n, row_bytes, col, width)
+                        if pread_into(self.files[p.file], places, at) < n * width:
                             _truncated(p.where)
+                        if i not in runs:  # an object in a store: CRC'd as read
+                            got = 0
+                            for v in places:
+                                got = crc32(v, got)
+                            chunk_crcs[k] = crc32_combine(chunk_crcs[k], got, n * width)
                     else:
-                        got = _place(self.files[p.file], at, p.where, whole[: n * row_bytes], n, col, width)
+                        got = _place_narrow(self.files[p.file], at, p.where, whole[: n * row_bytes], n, col, width)
                         chunk_crcs[k] = crc32_combine(chunk_crcs[k], got, n * width)
                     col += width
                 crc = crc32_combine(
@@ -294,25 +302,12 @@ BAND = 1 << 20  # bytes of an interleaved tensor assembled at once: memory holds
 _SHAPES = 64  # band shapes whose row places are kept (a model has a few)
 
 
-def _place(f: BinaryIO, at: int, where: str, band: memoryview, rows: int, col: int, width: int) -> int:
-    """A chunk's ``rows`` rows of ``width`` bytes, read from ``f`` at ``at``, placed in ``band``
-    (rows of ``len(band) // rows`` bytes) from byte column ``col``; returns their CRC-32.
-
-    Where the rows are at least as wide as there are rows (at most about ``sqrt(BAND)`` of them),
-    each is read straight into its place (:func:`~...io.fileio.pread_into`) and CRC'd there (an
-    object in a store's: a local file's are CRC'd as one run, see :meth:`DcpSource._bands`).
-    Narrower ones are read as one run, then placed byte column by byte column with strided
-    copies in C, so a band of narrow rows holds no object per row."""
+def _place_narrow(f: BinaryIO, at: int, where: str, band: memoryview, rows: int, col: int, width: int) -> int:
+    """A chunk's ``rows`` rows of ``width`` bytes (narrower than there are rows), read from ``f``
+    at ``at`` as one run, placed in ``band`` (rows of ``len(band) // rows`` bytes) from byte
+    column ``col`` byte column by byte column with strided copies in C, so a band of narrow rows
+    holds no object per row; returns their CRC-32."""
     row_bytes = len(band) // rows
-    if rows <= width:
-        whole = memoryview(band)
-        views = [whole[i * row_bytes + col : i * row_bytes + col + width] for i in range(rows)]
-        if pread_into(f, views, at) < rows * width:
-            _truncated(where)
-        crc = 0
-        for v in views:
-            crc = crc32(v, crc)
-        return crc
     data = bytearray(rows * width)
     if pread_into(f, [memoryview(data)], at) < len(data):
         _truncated(where)
